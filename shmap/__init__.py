@@ -1,0 +1,44 @@
+"""shmap: JAX's per-device SPMD programming model (`shard_map`) for PyTorch.
+
+Write one per-device program with explicit collectives; run it on a simulated
+mesh in one process (the default: debug with print/pdb) or on real processes.
+Values in a body carry their device variance; autodiff gets the cheapest
+correct backward communication.
+"""
+from .collectives import (
+    all_gather,
+    all_gather_invariant,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    pshuffle,
+    psum,
+    psum_scatter,
+    pvary,
+    vma,
+)
+from .comm import CommEvent, CommLog, comm_log
+from .errors import (
+    CollectiveArgumentError,
+    CollectiveShapeError,
+    ShmapError,
+    SpecError,
+    UnboundAxisError,
+    VaryingControlFlowError,
+    VmaError,
+)
+from .mesh import Mesh, P, PartitionSpec, make_mesh
+from .shard_map import shard_map
+
+__all__ = [
+    "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map",
+    "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_gather", "all_gather_invariant",
+    "ppermute", "pshuffle", "all_to_all", "axis_index", "axis_size", "pvary", "vma",
+    "comm_log", "CommLog", "CommEvent",
+    "ShmapError", "SpecError", "VmaError", "UnboundAxisError", "CollectiveShapeError",
+    "CollectiveArgumentError", "VaryingControlFlowError",
+]

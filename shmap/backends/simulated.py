@@ -1,0 +1,262 @@
+"""Simulated mesh: every device in one process, values laid out by their type.
+
+Physical layout of a body value varying along axes `L` (mesh order):
+`[size(a) for a in L] + logical shape`.  Each collective below is a tensor op
+on those leading dimensions; its autograd derivative *is* the transpose
+collective on this layout (sum <-> expand, gather-reshape <-> sum-slice,
+index <-> inverse index), and `log_comm` records which collective each
+direction performs.  The `# kind: in -> out` headers give the type rule that
+`shmap.collectives` checks before calling in.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..tensor import event, expand_to, log_comm, mesh_order
+
+
+class Simulated:
+    """Physical collectives and the global<->per-device boundary, batched."""
+
+    name = "simulated"
+
+    # ------------------------------------------------------------------
+    # Boundary
+    # ------------------------------------------------------------------
+    def split(self, x: torch.Tensor, spec, body):
+        """Global value -> (phys, paxes): split named dims, mesh axes leading.
+
+        A view (reshape + permute), so autograd's backward is the assembly.
+        """
+        shape = []
+        lead_pos = {}
+        for d in range(x.dim()):
+            for a in spec.dim_axes(d):
+                lead_pos[a] = len(shape)
+                shape.append(body.sizes[a])
+            n = math.prod(body.sizes[a] for a in spec.dim_axes(d))
+            shape.append(x.shape[d] // n)
+        t = x.reshape(shape)
+        paxes = mesh_order(lead_pos, body)
+        lead = [lead_pos[a] for a in paxes]
+        rest = [i for i in range(len(shape)) if i not in lead_pos.values()]
+        return t.permute(lead + rest), paxes
+
+    def assemble(self, phys, paxes, spec, body, logical_shape):
+        """(phys, paxes) -> global value, concatenating blocks along named axes.
+
+        Named axes the value is invariant along are tiled (expand); axes it
+        carries but the spec does not name (only with check_vma=False) keep
+        device 0's copy, with JAX's defensive transpose (cotangent / size).
+        """
+        named = spec.axes()
+        drop = [a for a in paxes if a not in named]
+        for a in reversed(drop):
+            d = paxes.index(a)
+            phys = TakeFirst.apply(phys, d, body.sizes[a])
+            paxes = paxes[:d] + paxes[d + 1:]
+        target = mesh_order(set(paxes) | set(named), body)
+        phys = expand_to(phys, paxes, target, body.sizes)
+        k = len(target)
+        perm, out_shape = [], []
+        for d, size in enumerate(logical_shape):
+            axes = spec.dim_axes(d)
+            perm.extend(target.index(a) for a in axes)
+            perm.append(k + d)
+            out_shape.append(size * math.prod(body.sizes[a] for a in axes))
+        return phys.permute(perm).reshape(out_shape)
+
+    def input_value(self, phys, paxes, body):
+        """With check_vma=False every value is treated as varying on every axis."""
+        if body.check_vma:
+            return phys, paxes, frozenset(paxes)
+        full = body.axes
+        added = [a for a in full if a not in paxes]
+        if added:
+            # JAX's defensive transpose: psum the cotangent of unmapped inputs.
+            shape = phys.shape[len(paxes):]
+            phys = log_comm(phys, None, event("psum", added, shape, phys.dtype))
+            phys = expand_to(phys, paxes, full, body.sizes)
+        return phys, full, frozenset(full)
+
+    # ------------------------------------------------------------------
+    # Automatic pvary: a physical no-op (see tensor.py)
+    # ------------------------------------------------------------------
+    def lift(self, phys, logical_shape, added_axes, body):
+        return log_comm(phys, None, event("psum", added_axes, logical_shape, phys.dtype))
+
+    # ------------------------------------------------------------------
+    # psum: varying{A} -> invariant{A}        transpose: pvary
+    # ------------------------------------------------------------------
+    def psum(self, phys, paxes, axes, body, shape, unchecked):
+        dims = [paxes.index(a) for a in axes if a in paxes]
+        missing = [a for a in axes if a not in paxes]
+        out = phys.sum(dims) if dims else phys
+        if missing:
+            out = out * math.prod(body.sizes[a] for a in missing)
+        out_paxes = tuple(a for a in paxes if a not in axes)
+        ev = event("psum", axes, shape, phys.dtype)
+        if unchecked:
+            out = expand_to(out, out_paxes, paxes, body.sizes)
+            return log_comm(out, ev, ev), paxes
+        return log_comm(out, ev, None), out_paxes
+
+    # ------------------------------------------------------------------
+    # pmax / pmin: varying{A} -> invariant{A}  (subgradient: devices holding
+    # the extremum, ties split evenly, as torch.amax)
+    # ------------------------------------------------------------------
+    def pextremum(self, kind, phys, paxes, axes, body, shape, unchecked):
+        dims = [paxes.index(a) for a in axes if a in paxes]
+        if dims:
+            out = phys.amax(dims) if kind == "pmax" else phys.amin(dims)
+        else:
+            out = phys
+        out_paxes = tuple(a for a in paxes if a not in axes)
+        ev = event(kind, axes, shape, phys.dtype)
+        if unchecked:
+            return log_comm(expand_to(out, out_paxes, paxes, body.sizes), ev, None), paxes
+        return log_comm(out, ev, None), out_paxes
+
+    # ------------------------------------------------------------------
+    # pvary: invariant{A} -> varying{A}        transpose: psum
+    # ------------------------------------------------------------------
+    def pvary(self, phys, paxes, axes, body, shape):
+        target = mesh_order(set(paxes) | set(axes), body)
+        out = expand_to(phys, paxes, target, body.sizes)
+        return log_comm(out, None, event("psum", axes, shape, phys.dtype)), target
+
+    # ------------------------------------------------------------------
+    # all_gather: varying{A} -> varying{A}     transpose: psum_scatter
+    # all_gather_invariant: varying{A} -> invariant{A}  transpose: own-block slice
+    # ------------------------------------------------------------------
+    def all_gather(self, phys, paxes, axes, body, shape, axis, tiled, invariant, unchecked):
+        phys, paxes = self._materialize(phys, paxes, axes, body)
+        t, other = _gather_front(phys, paxes, axes, body)
+        k = len(other)
+        t = t.movedim(0, k + axis)
+        if tiled:
+            t = t.flatten(k + axis, k + axis + 1)
+        out_shape = t.shape[k:]
+        if invariant and not unchecked:
+            ev = event("all_gather_invariant", axes, shape, phys.dtype)
+            return log_comm(t, ev, None), other
+        out = expand_to(t, other, paxes, body.sizes)
+        ev = event("all_gather", axes, shape, phys.dtype)
+        back = event("psum_scatter", axes, out_shape, phys.dtype)
+        return log_comm(out, ev, back), paxes
+
+    # ------------------------------------------------------------------
+    # psum_scatter: varying{A} -> varying{A}   transpose: all_gather
+    # ------------------------------------------------------------------
+    def psum_scatter(self, phys, paxes, axes, body, shape, dim, tiled):
+        n = math.prod(body.sizes[a] for a in axes)
+        dims = [paxes.index(a) for a in axes if a in paxes]
+        missing = [a for a in axes if a not in paxes]
+        s = phys.sum(dims) if dims else phys
+        if missing:
+            s = s * math.prod(body.sizes[a] for a in missing)
+        rest = tuple(a for a in paxes if a not in axes)
+        k = len(rest)
+        if tiled:
+            s = s.unflatten(k + dim, (n, shape[dim] // n))
+        t = s.movedim(k + dim, 0)
+        out, out_paxes = _scatter_front(t, axes, rest, body)
+        ev = event("psum_scatter", axes, shape, phys.dtype)
+        back = event("all_gather", axes, out.shape[len(out_paxes):], phys.dtype)
+        return log_comm(out, ev, back), out_paxes
+
+    # ------------------------------------------------------------------
+    # ppermute: varying{A} -> varying{A}       transpose: ppermute(inverse)
+    # ------------------------------------------------------------------
+    def ppermute(self, phys, paxes, axes, body, shape, perm):
+        phys, paxes = self._materialize(phys, paxes, axes, body)
+        t, other = _gather_front(phys, paxes, axes, body)
+        n = t.shape[0]
+        src = [0] * n
+        has = [False] * n
+        for s, d in perm:
+            src[d] = s
+            has[d] = True
+        idx = torch.tensor(src, device=t.device)
+        t = t.index_select(0, idx)
+        if not all(has):
+            mask = torch.tensor(has, device=t.device).reshape(n, *([1] * (t.dim() - 1)))
+            t = torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+        out, out_paxes = _scatter_front(t, axes, other, body)
+        ev = event("ppermute", axes, shape, phys.dtype)
+        return log_comm(out, ev, ev), out_paxes
+
+    # ------------------------------------------------------------------
+    # all_to_all: varying{A} -> varying{A}     transpose: all_to_all(concat, split)
+    # ------------------------------------------------------------------
+    def all_to_all(self, phys, paxes, axes, body, shape, split_axis, concat_axis, tiled):
+        phys, paxes = self._materialize(phys, paxes, axes, body)
+        t, other = _gather_front(phys, paxes, axes, body)  # [src, other..., logical]
+        n = t.shape[0]
+        k = len(other)
+        sd = 1 + k + split_axis
+        if tiled:
+            t = t.unflatten(sd, (n, shape[split_axis] // n))
+        t = t.movedim(sd, 0)  # [dst, src, other..., logical (split dim removed if untiled)]
+        # Put the source dim where the output's concat dim is (src major).
+        cd = 1 + k + concat_axis
+        t = t.movedim(1, cd)
+        if tiled:
+            t = t.flatten(cd, cd + 1)
+        out, out_paxes = _scatter_front(t, axes, other, body)
+        ev = event("all_to_all", axes, shape, phys.dtype)
+        back = event("all_to_all", axes, out.shape[len(out_paxes):], phys.dtype)
+        return log_comm(out, ev, back), out_paxes
+
+    # ------------------------------------------------------------------
+    # axis_index: -> varying{A}, an integer scalar per device
+    # ------------------------------------------------------------------
+    def axis_index(self, axes, body, device):
+        n = math.prod(body.sizes[a] for a in axes)
+        t = torch.arange(n, device=device).reshape([body.sizes[a] for a in axes])
+        target = mesh_order(axes, body)
+        return t.permute([axes.index(a) for a in target]), target
+
+    # ------------------------------------------------------------------
+    def _materialize(self, phys, paxes, axes, body):
+        target = mesh_order(set(paxes) | set(axes), body)
+        return expand_to(phys, paxes, target, body.sizes), target
+
+
+def _gather_front(phys, paxes, axes, body):
+    """Move the dims of `axes` (in that order, major first) to the front, merged into one."""
+    g = [paxes.index(a) for a in axes]
+    o = [d for d in range(len(paxes)) if d not in g]
+    rest = list(range(len(paxes), phys.dim()))
+    t = phys.permute(g + o + rest)
+    t = t.flatten(0, len(g) - 1) if len(g) > 1 else t
+    return t, tuple(paxes[d] for d in o)
+
+
+def _scatter_front(t, axes, other, body):
+    """Inverse of `_gather_front`: split dim 0 into `axes` dims, restore mesh order."""
+    t = t.unflatten(0, [body.sizes[a] for a in axes]) if len(axes) > 1 else t
+    cur = list(axes) + list(other)
+    target = mesh_order(cur, body)
+    perm = [cur.index(a) for a in target] + list(range(len(cur), t.dim()))
+    return t.permute(perm), target
+
+
+class TakeFirst(torch.autograd.Function):
+    """Device 0's copy along one leading dim; cotangent spread as ct / size (JAX's defensive transpose)."""
+
+    @staticmethod
+    def forward(ctx, phys, dim, size):
+        ctx.dim, ctx.size = dim, size
+        return phys.select(dim, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape = list(g.shape)
+        shape.insert(ctx.dim, ctx.size)
+        return (g / ctx.size).unsqueeze(ctx.dim).expand(shape), None, None
+
+
+SIMULATED = Simulated()

@@ -1,0 +1,353 @@
+"""Collectives inside shard_map bodies: their types, checks and transposes.
+
+Each collective is a section headed by its device-variance signature.  "V{A}"
+means varying along the named axes A, "I{A}" invariant along them.  The user
+function normalises the axis argument, checks shapes, applies the type rule
+(lifting an invariant operand with `pvary` where the collective needs a
+varying one, as JAX does) and calls the backend's physical implementation,
+which records the collective and, under autograd, its transpose.
+
+`TRANSPOSES` is the one table of who transposes to whom; `tests/test_collectives.py`
+checks every collective has a rule, a backend implementation and a transpose,
+and checks each transpose pair numerically (<f(x), y> == <x, f^T(y)>).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from . import context
+from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, fmt_axes, fmt_vma
+from .tensor import ShTensor, lift, mesh_order, vma  # noqa: F401  (vma re-exported)
+
+#: collective -> the collective its transpose performs (None: no communication)
+TRANSPOSES = {
+    "psum": "pvary",
+    "pvary": "psum",
+    "pmean": "pvary",
+    "all_gather": "psum_scatter",
+    "psum_scatter": "all_gather",
+    "all_gather_invariant": None,  # own-block slice
+    "ppermute": "ppermute",  # inverse permutation
+    "pshuffle": "pshuffle",  # inverse permutation
+    "all_to_all": "all_to_all",  # split/concat swapped
+    "pmax": None,  # not linear: subgradient, no communication
+    "pmin": None,
+    "axis_index": None,
+}
+
+
+# --------------------------------------------------------------------------
+# Shared plumbing
+# --------------------------------------------------------------------------
+def _axes(api: str, axis_name) -> tuple:
+    if isinstance(axis_name, str):
+        return (axis_name,)
+    if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+        if len(set(axis_name)) != len(axis_name):
+            raise CollectiveArgumentError(
+                f"{api}: axis_name {tuple(axis_name)} repeats an axis. Fix: name each mesh axis once."
+            )
+        return tuple(axis_name)
+    raise TypeError(
+        f"{api}: axis_name must be a mesh axis name (str) or a non-empty tuple of names, "
+        f"got {axis_name!r}. Fix: e.g. {api}(x, 'i') or {api}(x, ('i', 'j'))."
+    )
+
+
+def _operand(api: str, x, axes):
+    """(body, ShTensor) for `x`; plain tensors and scalars are invariant values."""
+    body = context.body_for_axes(api, axes)
+    if isinstance(x, ShTensor):
+        if x._body is not body:
+            raise VmaError(
+                f"{api}: the operand belongs to a different shard_map body than the one binding "
+                f"{fmt_axes(axes)}. Fix: pass the value into the inner shard_map as an argument."
+            )
+        return body, x
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    return body, ShTensor(x, (), frozenset(), body)
+
+
+def _size(body, axes) -> int:
+    return math.prod(body.sizes[a] for a in axes)
+
+
+def _varying(x: ShTensor, axes, body):
+    """Physical tensor of x typed as varying along `axes` too (JAX's implicit pvary)."""
+    if not body.check_vma:
+        return x._phys
+    return lift(x, x._vma | frozenset(axes), body)
+
+
+def _out(phys, paxes, body):
+    vma_ = frozenset(paxes) if body.check_vma else frozenset(body.axes)
+    return ShTensor(phys, paxes, vma_, body)
+
+
+def _dim(api, what, d, rank, allow_end=False):
+    if not isinstance(d, int):
+        raise TypeError(f"{api}: {what} must be an int, got {d!r}.")
+    hi = rank + 1 if allow_end else rank
+    if not -hi <= d < hi:
+        raise CollectiveShapeError(
+            f"{api}: {what}={d} is out of range for a per-device block of rank {rank}. "
+            f"Fix: use a dimension in [{-hi}, {hi})."
+        )
+    return d % hi if hi else 0
+
+
+def _shape_error(api, axes, body, x, rule, fix):
+    sizes = ", ".join(f"{a}={body.sizes[a]}" for a in axes)
+    return CollectiveShapeError(
+        f"{api} over {fmt_axes(axes)} (axis size {_size(body, axes)}: {sizes}; mesh {body.describe()}): "
+        f"{rule}, but the per-device block has shape {tuple(x.shape)}. Fix: {fix}"
+    )
+
+
+# --------------------------------------------------------------------------
+# psum: V{A} -> I{A}                        transpose: pvary (no communication)
+# --------------------------------------------------------------------------
+def psum(x, axis_name):
+    """Sum over the devices of `axis_name`; the result is invariant along it.
+
+    An operand that is invariant along the axis is first `pvary`'d, so the
+    result is N * x, as in JAX.
+    """
+    axes = _axes("psum", axis_name)
+    body, x = _operand("psum", x, axes)
+    phys = _varying(x, axes, body)
+    out, paxes = body.backend.psum(phys, x._paxes, axes, body, x.shape, not body.check_vma)
+    return _out(out, paxes, body)
+
+
+# pmean: V{A} -> I{A}                        transpose: pvary, scaled
+def pmean(x, axis_name):
+    """Mean over the devices of `axis_name` (a psum, then a division)."""
+    axes = _axes("pmean", axis_name)
+    body = context.body_for_axes("pmean", axes)
+    return psum(x, axes) / _size(body, axes)
+
+
+# --------------------------------------------------------------------------
+# pmax / pmin: V{A} -> I{A}                 transpose: none (not linear)
+# --------------------------------------------------------------------------
+def _pextremum(kind, x, axis_name):
+    axes = _axes(kind, axis_name)
+    body, x = _operand(kind, x, axes)
+    phys = _varying(x, axes, body)
+    out, paxes = body.backend.pextremum(kind, phys, x._paxes, axes, body, x.shape, not body.check_vma)
+    return _out(out, paxes, body)
+
+
+def pmax(x, axis_name):
+    """Maximum over the devices of `axis_name`.
+
+    Differentiable (JAX's is not): the gradient goes to the devices holding
+    the maximum, split evenly among ties (torch.amax's rule).
+    """
+    return _pextremum("pmax", x, axis_name)
+
+
+def pmin(x, axis_name):
+    """Minimum over the devices of `axis_name` (gradient as for `pmax`)."""
+    return _pextremum("pmin", x, axis_name)
+
+
+# --------------------------------------------------------------------------
+# pvary: I{A} -> V{A}                       transpose: psum
+# --------------------------------------------------------------------------
+def pvary(x, axis_name):
+    """Mark `x` as varying along `axis_name` (no communication: a stride-0 view).
+
+    Its transpose is the `psum` that gives a replicated parameter its
+    gradient.  Usually inserted for you; call it to be explicit.  Axes `x`
+    already varies along are left as they are.
+    """
+    axes = _axes("pvary", axis_name)
+    body, x = _operand("pvary", x, axes)
+    if not body.check_vma:
+        return x
+    added = tuple(a for a in axes if a not in x._vma)
+    if not added:
+        return x
+    out, paxes = body.backend.pvary(x._phys, x._paxes, mesh_order(added, body), body, x.shape)
+    return _out(out, paxes, body)
+
+
+# --------------------------------------------------------------------------
+# all_gather: V{A} -> V{A}                  transpose: psum_scatter
+# all_gather_invariant: V{A} -> I{A}        transpose: own-block slice
+# --------------------------------------------------------------------------
+def _all_gather(api, x, axis_name, axis, tiled, invariant):
+    axes = _axes(api, axis_name)
+    body, x = _operand(api, x, axes)
+    rank = x.dim()
+    if tiled:
+        if rank == 0:
+            raise _shape_error(api, axes, body, x, "tiled=True concatenates along an existing dimension",
+                               "use tiled=False for scalars, or give the value a dimension")
+        axis = _dim(api, "axis", axis, rank)
+    else:
+        axis = _dim(api, "axis", axis, rank, allow_end=True)
+    phys = _varying(x, axes, body)
+    out, paxes = body.backend.all_gather(
+        phys, x._paxes, axes, body, x.shape, axis, tiled, invariant, not body.check_vma
+    )
+    return _out(out, paxes, body)
+
+
+def all_gather(x, axis_name, *, axis=0, tiled=False):
+    """Every device gets every device's block, stacked (or concatenated if `tiled`) at `axis`.
+
+    The result is typed varying (a `pvary` is fused in) so that its transpose
+    is one `psum_scatter`; use `all_gather_invariant` for an invariant result.
+    """
+    return _all_gather("all_gather", x, axis_name, axis, tiled, False)
+
+
+def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
+    """As `all_gather`, typed invariant; its transpose is a slice of the own block (no communication)."""
+    return _all_gather("all_gather_invariant", x, axis_name, axis, tiled, True)
+
+
+# --------------------------------------------------------------------------
+# psum_scatter: V{A} -> V{A}                transpose: all_gather
+# --------------------------------------------------------------------------
+def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
+    """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`."""
+    api = "psum_scatter"
+    axes = _axes(api, axis_name)
+    body, x = _operand(api, x, axes)
+    n = _size(body, axes)
+    if x.dim() == 0:
+        raise _shape_error(api, axes, body, x, "the operand needs a dimension to scatter",
+                           "psum_scatter a value with at least one dimension")
+    d = _dim(api, "scatter_dimension", scatter_dimension, x.dim())
+    if tiled and x.shape[d] % n:
+        raise _shape_error(api, axes, body, x, f"tiled=True needs dimension {d} divisible by {n}",
+                           f"pad dimension {d} to a multiple of {n}")
+    if not tiled and x.shape[d] != n:
+        raise _shape_error(api, axes, body, x, f"tiled=False needs dimension {d} to equal {n}",
+                           f"use tiled=True, or reshape so dimension {d} has size {n}")
+    phys = _varying(x, axes, body)
+    out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
+    return _out(out, paxes, body)
+
+
+# --------------------------------------------------------------------------
+# ppermute: V{A} -> V{A}                    transpose: ppermute(inverse perm)
+# --------------------------------------------------------------------------
+def ppermute(x, axis_name, perm):
+    """Send each device's block along `(src, dst)` pairs; devices with no source get zeros."""
+    api = "ppermute"
+    axes = _axes(api, axis_name)
+    body, x = _operand(api, x, axes)
+    n = _size(body, axes)
+    pairs = _check_perm(api, perm, n, axes, body)
+    phys = _varying(x, axes, body)
+    out, paxes = body.backend.ppermute(phys, x._paxes, axes, body, x.shape, pairs)
+    return _out(out, paxes, body)
+
+
+def _check_perm(api, perm, n, axes, body):
+    try:
+        pairs = [(operator.index(s), operator.index(d)) for s, d in perm]
+    except (TypeError, ValueError):
+        raise CollectiveArgumentError(
+            f"{api}: perm must be a sequence of (source, destination) integer pairs, got {perm!r}. "
+            "Fix: e.g. perm=[(i, (i + 1) % n) for i in range(n)]."
+        ) from None
+    for s, d in pairs:
+        if not (0 <= s < n and 0 <= d < n):
+            raise CollectiveArgumentError(
+                f"{api}: pair ({s}, {d}) is out of range for axis {fmt_axes(axes)} of size {n} "
+                f"(mesh {body.describe()}). Fix: device indices must lie in [0, {n})."
+            )
+    for which, idx in (("source", 0), ("destination", 1)):
+        seen = {}
+        for p in pairs:
+            if p[idx] in seen:
+                raise CollectiveArgumentError(
+                    f"{api}: {which} {p[idx]} appears twice in perm ({seen[p[idx]]} and {p}); each device may "
+                    f"send at most once and receive at most once. Fix: make perm a partial permutation."
+                )
+            seen[p[idx]] = p
+    return pairs
+
+
+def pshuffle(x, axis_name, perm):
+    """Device i receives the block of device `perm[i]`; `perm` must be a permutation."""
+    api = "pshuffle"
+    axes = _axes(api, axis_name)
+    body = context.body_for_axes(api, axes)
+    n = _size(body, axes)
+    perm = list(perm)
+    if sorted(perm) != list(range(n)):
+        raise CollectiveArgumentError(
+            f"pshuffle: perm must be a permutation of range({n}) for axis {fmt_axes(axes)} of size {n}, "
+            f"got {perm}. Fix: list each device index exactly once."
+        )
+    return ppermute(x, axes, [(s, d) for d, s in enumerate(perm)])
+
+
+# --------------------------------------------------------------------------
+# all_to_all: V{A} -> V{A}                  transpose: all_to_all(concat_axis, split_axis)
+# --------------------------------------------------------------------------
+def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
+    """Device d sends chunk j of `split_axis` to device j; chunks are concatenated at `concat_axis`.
+
+    Untiled: `split_axis` must equal the axis size and is removed; a new
+    dimension of that size appears at `concat_axis`.  Tiled: `split_axis`
+    shrinks and `concat_axis` grows by the axis size.
+    """
+    api = "all_to_all"
+    axes = _axes(api, axis_name)
+    body, x = _operand(api, x, axes)
+    n = _size(body, axes)
+    rank = x.dim()
+    if rank == 0:
+        raise _shape_error(api, axes, body, x, "the operand needs a dimension to split",
+                           "all_to_all a value with at least one dimension")
+    sa = _dim(api, "split_axis", split_axis, rank)
+    ca = _dim(api, "concat_axis", concat_axis, rank)
+    if tiled and x.shape[sa] % n:
+        raise _shape_error(api, axes, body, x, f"tiled=True needs split_axis {sa} divisible by {n}",
+                           f"pad dimension {sa} to a multiple of {n}")
+    if not tiled and x.shape[sa] != n:
+        raise _shape_error(api, axes, body, x, f"tiled=False needs split_axis {sa} to equal {n}",
+                           f"use tiled=True, or reshape so dimension {sa} has size {n}")
+    phys = _varying(x, axes, body)
+    out, paxes = body.backend.all_to_all(phys, x._paxes, axes, body, x.shape, sa, ca, tiled)
+    return _out(out, paxes, body)
+
+
+# --------------------------------------------------------------------------
+# axis_index: -> V{A} (int64 scalar)        axis_size: -> Python int
+# --------------------------------------------------------------------------
+def axis_index(axis_name):
+    """This device's index along `axis_name` (a tuple is linearised major-to-minor)."""
+    axes = _axes("axis_index", axis_name)
+    body = context.body_for_axes("axis_index", axes)
+    device = body.mesh.device or torch.get_default_device()
+    phys, paxes = body.backend.axis_index(axes, body, device)
+    if not body.check_vma:
+        phys = body.backend._materialize(phys, paxes, body.axes, body)[0]
+        paxes = body.axes
+    return _out(phys, paxes, body)
+
+
+def axis_size(axis_name) -> int:
+    """Number of devices along `axis_name` (product for a tuple)."""
+    axes = _axes("axis_size", axis_name)
+    body = context.body_for_axes("axis_size", axes)
+    return _size(body, axes)
+
+
+def describe_vma(x) -> str:
+    body = x._body if isinstance(x, ShTensor) else context.current()
+    order = body.axes if body is not None else None
+    return fmt_vma(vma(x), order)

@@ -1,0 +1,62 @@
+"""The stack of running shard_map bodies (which mesh axes are bound, and how).
+
+Collectives look up their axis names here; values remember the body that made
+them so that mixing values of different bodies is caught.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .errors import unbound_axis
+from .mesh import Mesh
+
+
+@dataclass(eq=False)
+class Body:
+    """One running shard_map body.
+
+    `axes` are the manual mesh axes (mesh order); `sizes` their sizes;
+    `check_vma` whether values are typed.  `lift_cache` memoises the automatic
+    `pvary` of plain (closed-over) tensors, so a parameter used twice gets one
+    `psum` of its gradient, not two.
+    """
+
+    mesh: Mesh
+    axes: tuple
+    check_vma: bool
+    backend: object
+    sizes: dict = field(default_factory=dict)
+    lift_cache: dict = field(default_factory=dict)
+    active: bool = True
+
+    def __post_init__(self):
+        self.sizes = {a: self.mesh.shape[a] for a in self.axes}
+
+    def describe(self) -> str:
+        return "(" + ", ".join(f"{a}={self.sizes[a]}" for a in self.axes) + ")"
+
+
+_local = threading.local()
+
+
+def stack() -> list:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def current() -> Body | None:
+    s = stack()
+    return s[-1] if s else None
+
+
+def body_for_axes(api: str, axes: tuple) -> Body:
+    """The innermost body binding every axis in `axes`, or a clear error."""
+    s = stack()
+    for body in reversed(s):
+        if all(a in body.sizes for a in axes):
+            return body
+    bound = s[-1].axes if s else ()
+    missing = [a for a in axes if not (s and a in s[-1].sizes)]
+    raise unbound_axis(api, missing[0] if missing else axes[0], bound)

@@ -1,0 +1,353 @@
+"""`shard_map`: run a per-device function over a mesh, with typed values.
+
+The caller passes global values; each device's block is cut out according to
+`in_specs`, the body runs once with every value typed by its device variance,
+and the blocks it returns are assembled according to `out_specs` after a
+static check that each output is invariant along every axis its spec leaves
+out.  All of this is plain torch ops on the backend's physical values, so
+`torch.autograd` differentiates through the call, from outside or inside.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import numbers
+
+import torch
+
+from . import context
+from .backends.simulated import SIMULATED
+from .errors import SpecError, VmaError, fmt_vma
+from .mesh import Mesh, PartitionSpec
+from .tensor import ShTensor
+
+
+def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vma=True):
+    """Map `f` over the blocks of its arguments on `mesh` (JAX's `shard_map`).
+
+    Usable as `shard_map(f, mesh=..., ...)`, as a decorator factory
+    `@shard_map(mesh=..., ...)`, or with `functools.partial`.
+
+    - `in_specs`: a pytree prefix of the positional arguments; each leaf a
+      `P(...)` (how to split that argument) or `None` (a static argument,
+      passed through untouched).
+    - `out_specs`: a pytree prefix of the outputs; each leaf a `P(...)`.
+    - `axis_names`: the mesh axes the body handles manually (default: all).
+    - `check_vma`: type values by device variance, insert `pvary`s, check
+      `out_specs` statically and transpose collectives efficiently.  With
+      False, every value counts as varying and autodiff uses JAX's defensive
+      transpose.
+    """
+    if f is None:
+        return functools.partial(
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names,
+            check_vma=check_vma,
+        )
+    if not callable(f):
+        raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}.")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"shard_map: mesh must be a shmap.Mesh, got {type(mesh).__name__}. "
+            "Fix: mesh = shmap.make_mesh((4, 2), ('i', 'j'))."
+        )
+    manual = _manual_axes(mesh, axis_names)
+    fname = getattr(f, "__name__", "f")
+    params = _param_names(f)
+
+    @functools.wraps(f)
+    def mapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"shard_map({fname}): keyword arguments {sorted(kwargs)} are not supported; in_specs "
+                "describe positional arguments only. Fix: pass them positionally, or bind static ones "
+                "with functools.partial before shard_map."
+            )
+        return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args)
+
+    return mapped
+
+
+def _manual_axes(mesh, axis_names):
+    if axis_names is None:
+        return mesh.axis_names
+    names = {axis_names} if isinstance(axis_names, str) else set(axis_names)
+    unknown = [a for a in names if a not in mesh.shape]
+    if unknown:
+        raise SpecError(
+            f"shard_map: axis_names names {unknown[0]!r}, which is not an axis of mesh {mesh.describe()}; "
+            f"available axes: {mesh.axis_names}."
+        )
+    return tuple(a for a in mesh.axis_names if a in names)
+
+
+def _param_names(f):
+    try:
+        return [
+            p.name for p in inspect.signature(f).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+    except (TypeError, ValueError):
+        return []
+
+
+def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args):
+    backend = SIMULATED
+    body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend)
+    leaves = []  # (path, value, spec)
+    _match(in_specs, args, "in_specs", leaves, params, top=True, fname=fname)
+    values = []
+    for path, value, spec, arg in leaves:
+        if spec is None:
+            values.append(value)
+            continue
+        what = f"argument {arg}" + (f" ({params[arg]!r})" if arg is not None and arg < len(params) else "")
+        values.append(_enter(path, value, spec, body, mesh, fname, what))
+    body_args = _rebuild(in_specs, args, iter(values), top=True)
+
+    stack = context.stack()
+    stack.append(body)
+    try:
+        out = f(*body_args)
+    finally:
+        stack.pop()
+        body.active = False
+    out_leaves = []
+    _match(out_specs, out, "out_specs", out_leaves, None, top=False, fname=fname)
+    results = [_exit(path, value, spec, body, mesh, fname) for path, value, spec, _ in out_leaves]
+    return _rebuild(out_specs, out, iter(results), top=False)
+
+
+# --------------------------------------------------------------------------
+# Spec trees: pytree prefixes with paths for error messages
+# --------------------------------------------------------------------------
+def _is_spec_leaf(s):
+    return s is None or isinstance(s, PartitionSpec)
+
+
+def _children(tree):
+    """(kind, keys, children) for a container, or None for a leaf."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return "namedtuple", list(tree._fields), list(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree).__name__, list(range(len(tree))), list(tree)
+    if isinstance(tree, dict):
+        keys = list(tree.keys())
+        return "dict", keys, [tree[k] for k in keys]
+    return None
+
+
+def _key_str(kind, k):
+    return f".{k}" if kind == "namedtuple" else f"[{k!r}]"
+
+
+def _match(specs, values, path, out, params, *, top, fname, arg=None):
+    """Walk `specs` (a prefix of `values`), appending (path, leaf value, spec, argument index)."""
+    if _is_spec_leaf(specs):
+        if top:
+            # A single spec applies to every argument.
+            for i, v in enumerate(values):
+                _match_leafspec(specs, v, f"{path}[{i}]", out, i)
+        else:
+            _match_leafspec(specs, values, path, out, arg)
+        return
+    sc = _children(specs)
+    if sc is None:
+        raise SpecError(
+            f"shard_map({fname}) {path}: expected a PartitionSpec (shmap.P(...)), None (static argument), "
+            f"or a container of them; got {type(specs).__name__} {specs!r}. "
+            f"Fix: write P({specs!r})" + (" if you meant that axis." if isinstance(specs, str) else ".")
+        )
+    vc = _children(values) if not top else ("tuple", list(range(len(values))), list(values))
+    what = "the positional arguments" if top else f"the value at {path}"
+    if vc is None:
+        raise SpecError(
+            f"shard_map({fname}) {path}: the spec is a {sc[0]} of {len(sc[1])} entries, but {what} is a "
+            f"{type(values).__name__}; specs must be a pytree prefix of "
+            f"{'the arguments' if path.startswith('in') else 'the outputs'}. Fix: use a single P(...) here."
+        )
+    skind, skeys, schildren = sc
+    vkind, vkeys, vchildren = vc
+    if top:
+        skind = "tuple"
+    if (skind in ("dict",)) != (vkind in ("dict",)) or len(skeys) != len(vkeys) or (
+        skind == "dict" and set(skeys) != set(vkeys)
+    ):
+        if top:
+            names = ", ".join(params[: len(values)]) if params else ""
+            desc = f"{len(values)} positional arguments" + (f" ({names})" if names else "")
+        else:
+            desc = f"a {vkind} with {'keys ' + repr(sorted(map(str, vkeys))) if vkind == 'dict' else str(len(vkeys)) + ' entries'}"
+        sdesc = f"a {skind} with {'keys ' + repr(sorted(map(str, skeys))) if skind == 'dict' else str(len(skeys)) + ' entries'}"
+        raise SpecError(
+            f"shard_map({fname}) {path}: specs and values differ in structure here: the spec is {sdesc} "
+            f"but {what} is {desc}. Fix: give one spec per entry (or one P(...) for the whole subtree)."
+        )
+    lookup = dict(zip(vkeys, vchildren))
+    for k, s in zip(skeys, schildren):
+        sub = f"{path}[{k}]" if top else path + _key_str(skind, k)
+        _match(s, lookup[k], sub, out, params, top=False, fname=fname, arg=k if top else arg)
+
+
+def _match_leafspec(spec, value, path, out, arg):
+    """A leaf spec applies to every leaf of the value subtree."""
+    vc = _children(value)
+    if vc is None:
+        out.append((path, value, spec, arg))
+        return
+    kind, keys, children = vc
+    for k, c in zip(keys, children):
+        _match_leafspec(spec, c, path + _key_str(kind, k), out, arg)
+
+
+def _rebuild(specs, values, it, *, top):
+    if top:
+        if _is_spec_leaf(specs):
+            return tuple(_rebuild_leafspec(v, it) for v in values)
+        return tuple(_rebuild(s, v, it, top=False) for s, v in zip(specs, values))
+    if _is_spec_leaf(specs):
+        return _rebuild_leafspec(values, it)
+    kind, keys, children = _children(values)
+    skind, skeys, schildren = _children(specs)
+    sd = dict(zip(skeys, schildren))
+    new = [_rebuild(sd[k], c, it, top=False) for k, c in zip(keys, children)]
+    return _rebuild_container(values, keys, new)
+
+
+def _rebuild_leafspec(value, it):
+    vc = _children(value)
+    if vc is None:
+        return next(it)
+    kind, keys, children = vc
+    return _rebuild_container(value, keys, [_rebuild_leafspec(c, it) for c in children])
+
+
+def _rebuild_container(orig, keys, new):
+    if isinstance(orig, dict):
+        return type(orig)(zip(keys, new)) if type(orig) is dict else type(orig)(dict(zip(keys, new)))
+    if isinstance(orig, tuple) and hasattr(orig, "_fields"):
+        return type(orig)(*new)
+    return type(orig)(new)
+
+
+# --------------------------------------------------------------------------
+# Spec validation
+# --------------------------------------------------------------------------
+def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
+    if not isinstance(spec, PartitionSpec):
+        raise SpecError(
+            f"shard_map({fname}) {path}: expected a PartitionSpec (shmap.P(...)), got "
+            f"{type(spec).__name__} {spec!r}. Fix: wrap it, e.g. P('i')."
+        )
+    seen = {}
+    for d, entry in enumerate(spec):
+        if entry is None:
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        for a in names:
+            if not isinstance(a, str):
+                raise SpecError(
+                    f"shard_map({fname}) {path}: {spec} entry {d} contains {a!r} ({type(a).__name__}); "
+                    "entries must be None, a mesh axis name, or a tuple of names."
+                )
+            if a not in mesh.shape:
+                raise SpecError(
+                    f"shard_map({fname}) {path}: {spec} names mesh axis {a!r}, which is not in mesh "
+                    f"{mesh.describe()}; available axes: {mesh.axis_names}. Fix: use one of those names."
+                )
+            if a not in manual:
+                raise SpecError(
+                    f"shard_map({fname}) {path}: {spec} names mesh axis {a!r}, which is not manual in this "
+                    f"shard_map (axis_names={manual}). Fix: add {a!r} to axis_names or drop it from the spec."
+                )
+            if a in seen:
+                raise SpecError(
+                    f"shard_map({fname}) {path}: {spec} mentions mesh axis {a!r} twice (dimensions {seen[a]} "
+                    f"and {d}); a mesh axis may split at most one dimension. Fix: mention {a!r} once."
+                )
+            seen[a] = d
+    if len(spec) > len(shape):
+        raise SpecError(
+            f"shard_map({fname}) {path}: {spec} has {len(spec)} entries but {what} has rank {len(shape)} "
+            f"(shape {tuple(shape)}). Fix: give at most {len(shape)} entries, e.g. "
+            f"P({', '.join(repr(e) for e in list(spec)[:len(shape)])})."
+        )
+    for d in range(len(spec) if split else 0):
+        axes = spec.dim_axes(d)
+        n = math.prod(mesh.shape[a] for a in axes)
+        if axes and shape[d] % n:
+            sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise SpecError(
+                f"shard_map({fname}) {path}: dimension {d} of {what} has size {shape[d]}, which is not "
+                f"divisible by {n}, the product of the sizes of mesh axes {axes} ({sizes}) that {spec} "
+                f"splits it over (mesh {mesh.describe()}). Fix: make dimension {d} a multiple of {n}, or "
+                "split it over fewer axes."
+            )
+
+
+def _enter(path, value, spec, body, mesh, fname, what):
+    """Global argument -> body value."""
+    if isinstance(value, ShTensor):
+        raise SpecError(
+            f"shard_map({fname}) {path}: got a value of another shard_map body. Nested shard_map over "
+            "the same devices is not supported; pass the outer body's value as a global array instead."
+        )
+    if isinstance(value, (numbers.Number, bool)) and not isinstance(value, torch.Tensor):
+        value = torch.tensor(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"shard_map({fname}) {path}: expected a torch.Tensor or Python number, got "
+            f"{type(value).__name__}. Fix: convert it with torch.as_tensor, or mark it static with a None spec."
+        )
+    _check_spec(spec, path, value.shape, mesh, body.axes, fname, what=what)
+    if mesh.device is not None and value.device != mesh.device:
+        value = value.to(mesh.device)
+    phys, paxes = body.backend.split(value, spec, body)
+    phys, paxes, vma_ = body.backend.input_value(phys, paxes, body)
+    return ShTensor(phys, paxes, vma_, body)
+
+
+def _exit(path, value, spec, body, mesh, fname):
+    """Body output -> global value, after the static replication check."""
+    if isinstance(value, ShTensor):
+        if value._body is not body:
+            raise VmaError(
+                f"shard_map({fname}) {path}: the output belongs to another shard_map body. "
+                "Fix: return values computed in this body."
+            )
+        x = value
+    elif isinstance(value, torch.Tensor) or isinstance(value, numbers.Number):
+        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        x = ShTensor(t, (), frozenset(), body)
+    else:
+        raise TypeError(
+            f"shard_map({fname}) {path}: the body returned {type(value).__name__} here; outputs must be "
+            "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
+        )
+    _check_spec(spec, path, x.shape, mesh, body.axes, fname, what="the output", split=False)
+    if body.check_vma:
+        named = set(spec.axes())
+        extra = [a for a in body.axes if a in x._vma and a not in named]
+        if extra:
+            raise VmaError(
+                f"shard_map({fname}) {path}: the output varies along {fmt_vma(x._vma, body.axes)} but its spec "
+                f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
+                f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
+                f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
+                f"`shmap.psum(y, {_axes_lit(extra)})` (or `shmap.all_gather`), or name the axis in the "
+                f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
+            )
+    return body.backend.assemble(x._phys, x._paxes, spec, body, x.shape)
+
+
+def _axes_lit(axes):
+    return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+def _suggest_spec(spec, extra, rank):
+    entries = list(spec) + [None] * max(0, rank - len(spec))
+    for d, e in enumerate(entries):
+        if e is None:
+            entries[d] = extra[0] if len(extra) == 1 else tuple(extra)
+            return "P(" + ", ".join(repr(x) for x in entries) + ")"
+    return "P(" + ", ".join(repr(x) for x in entries) + ")"

@@ -1,0 +1,531 @@
+"""Values inside a shard_map body on the simulated mesh: "the type is the layout".
+
+A body value is a `ShTensor`: a wrapper whose shape is the *logical*
+(per-device) shape, holding
+
+- `_vma`: the mesh axes along which the value may vary (its type), and
+- `_phys`: one plain torch tensor of shape `[size of each varying axis, in
+  mesh order] + logical shape` (its layout).
+
+So an invariant value is stored once, `pvary` is a stride-0 `expand`, and a
+collective is a tensor op on leading dimensions.  Ordinary torch ops are
+intercepted in `__torch_function__` (above autograd, so automatic `pvary`s
+enter the autograd graph) and executed once over all devices with functorch's
+batching rules (below autograd), so simulating N devices costs about what the
+same global computation costs on one.
+
+Invariant maintained for every value a user can hold: its physical leading
+axes equal its type (`_paxes == vma`).  The one exception is internal: when an
+op mixes an invariant operand with varying ones, the invariant operand is
+lifted by a *physical no-op* that only changes its type (the batched op then
+broadcasts it, e.g. one GEMM for `x_blocks @ w`).  The backward of that no-op
+receives the cotangent already summed over devices by the batched op's own
+backward; it is recorded as the `psum` a real device would perform.
+"""
+from __future__ import annotations
+
+import itertools
+
+import optree
+import torch
+from torch._C._functorch import (
+    _add_batch_dim,
+    _remove_batch_dim,
+    _vmap_decrement_nesting,
+    _vmap_increment_nesting,
+)
+
+from . import comm
+from .errors import VmaError, fmt_vma, varying_control_flow
+
+
+# --------------------------------------------------------------------------
+# Recording identity: the autograd node that logs a collective and its
+# transpose.  Physical data movement is done by plain torch ops around it.
+# --------------------------------------------------------------------------
+class LogComm(torch.autograd.Function):
+    """Identity that records `fwd` when run and `bwd` when transposed.
+
+    Its backward is itself with the events swapped, so transposing any number
+    of times records the right collective each time (second order included).
+    """
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.events = (fwd, bwd)
+        if fwd is not None:
+            comm.record(fwd)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        fwd, bwd = ctx.events
+        return LogComm.apply(g, bwd, fwd), None, None
+
+
+def log_comm(phys, fwd, bwd):
+    """Attach the (forward, transpose) communication events to `phys`."""
+    if fwd is None and bwd is None:
+        return phys
+    if not (torch.is_grad_enabled() and phys.requires_grad):
+        if fwd is not None:
+            comm.record(fwd)
+        return phys
+    return LogComm.apply(phys, fwd, bwd)
+
+
+def event(kind, axes, logical_shape, dtype):
+    numel = 1
+    for s in logical_shape:
+        numel *= int(s)
+    return comm.CommEvent(kind, tuple(axes), numel * dtype.itemsize, tuple(logical_shape), str(dtype))
+
+
+# --------------------------------------------------------------------------
+# Layout helpers
+# --------------------------------------------------------------------------
+def expand_to(phys: torch.Tensor, paxes: tuple, target: tuple, sizes: dict) -> torch.Tensor:
+    """Insert (stride-0) leading dims so that `phys` has axes `target` (mesh order)."""
+    if paxes == target:
+        return phys
+    t = phys
+    for pos, ax in enumerate(target):
+        if ax not in paxes:
+            t = t.unsqueeze(pos)
+    lead = [sizes[a] for a in target]
+    return t.expand(*lead, *t.shape[len(target):])
+
+
+def mesh_order(axes, body) -> tuple:
+    return tuple(a for a in body.axes if a in axes)
+
+
+# --------------------------------------------------------------------------
+# The body value
+# --------------------------------------------------------------------------
+class ShTensor(torch.Tensor):
+    """A per-device value inside a shard_map body (simulated mesh)."""
+
+    @staticmethod
+    def __new__(cls, phys, paxes, vma, body):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, phys.shape[len(paxes):], dtype=phys.dtype, device=phys.device, requires_grad=False
+        )
+        r._phys = phys
+        r._paxes = paxes
+        r._vma = vma
+        r._body = body
+        r._lifts = None
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(
+            f"shmap internal error: {func} reached a body value below autograd; "
+            "please report this with the code that triggered it."
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(func, args, kwargs)
+        return _dispatch(func, args, kwargs)
+
+
+
+def wrap(phys, paxes, vma, body) -> ShTensor:
+    return ShTensor(phys, paxes, vma, body)
+
+
+def vma(x) -> frozenset:
+    """The set of mesh axes along which `x` may vary (empty for invariant values)."""
+    if isinstance(x, ShTensor):
+        return x._vma
+    return frozenset()
+
+
+# --------------------------------------------------------------------------
+# Automatic pvary
+# --------------------------------------------------------------------------
+def lift(x, target: frozenset, body):
+    """Physical tensor of `x` typed as varying along `target` (a no-op copy-wise).
+
+    Memoised per value so that one value used in several ops gets one node,
+    hence one `psum` in the backward pass.
+    """
+    if isinstance(x, ShTensor):
+        added = target - x._vma
+        if not added:
+            return x._phys
+        if x._lifts is None:
+            x._lifts = {}
+        got = x._lifts.get(target)
+        if got is None:
+            got = _lift_phys(x._phys, x.shape, added, body)
+            x._lifts[target] = got
+        return got
+    key = (id(x), target)
+    got = body.lift_cache.get(key)
+    if got is None or got[0] is not x:
+        got = (x, _lift_phys(x, x.shape, target, body))
+        body.lift_cache[key] = got
+    return got[1]
+
+
+def _lift_phys(phys, logical_shape, added, body):
+    return body.backend.lift(phys, logical_shape, mesh_order(added, body), body)
+
+
+# --------------------------------------------------------------------------
+# Batched execution
+# --------------------------------------------------------------------------
+_INPLACE_DUNDERS = frozenset(
+    "__iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ __ior__ "
+    "__ixor__ __ilshift__ __irshift__ __imatmul__ __setitem__".split()
+)
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS:
+        return True
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _dispatch(func, args, kwargs):
+    leaves, treedef = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    body = None
+    union = frozenset()
+    tensor_idx = []
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, ShTensor):
+            b = leaf._body
+            if not b.active:
+                raise VmaError(
+                    f"{_fname(func)}: a value from a shard_map body that has already returned was used. "
+                    "Body values only exist while their body runs. Fix: return it from the body "
+                    "(with an out_spec) and use the global result instead."
+                )
+            if body is None:
+                body = b
+            elif b is not body:
+                raise VmaError(
+                    f"{_fname(func)}: operands come from two different shard_map bodies "
+                    f"(meshes {body.describe()} and {b.describe()}). Fix: pass values into the inner "
+                    "shard_map as arguments instead of closing over the outer body's values."
+                )
+            union = union | leaf._vma
+            tensor_idx.append(k)
+        elif isinstance(leaf, torch.Tensor):
+            tensor_idx.append(k)
+
+    if "out" in kwargs and kwargs["out"] is not None:
+        raise TypeError(
+            f"{_fname(func)}: `out=` is not supported inside a shard_map body. "
+            "Fix: assign the result instead, e.g. `y = torch.add(a, b)`."
+        )
+
+    inplace = _is_inplace(func)
+    self_val = args[0] if inplace and args else None
+    if inplace:
+        _check_inplace(func, self_val, union, body)
+        if isinstance(self_val, ShTensor):
+            _make_writable(self_val)
+
+    out_paxes = mesh_order(union, body)
+    batched = []
+    for k in tensor_idx:
+        leaf = leaves[k]
+        if isinstance(leaf, ShTensor):
+            phys = leaf._phys if (inplace and leaf is self_val) else lift(leaf, union, body)
+            leaves[k] = phys
+            if leaf._paxes:
+                batched.append((k, leaf._paxes))
+        elif union and not (inplace and leaf is self_val):
+            leaves[k] = lift(leaf, union, body)
+
+    out = _run_batched(func, leaves, treedef, batched, out_paxes, body)
+
+    if inplace:
+        if isinstance(self_val, ShTensor):
+            self_val._lifts = None
+        return self_val
+    return _wrap_out(out, out_paxes, union, body)
+
+
+def _run_batched(func, leaves, treedef, batched, out_paxes, body):
+    if not out_paxes:
+        args, kwargs = optree.tree_unflatten(treedef, leaves)
+        return func(*args, **kwargs)
+    sizes = body.sizes
+    levels = []
+    try:
+        for ax in out_paxes:
+            n = sizes[ax]
+            lvl = _vmap_increment_nesting(n, "different")
+            levels.append((lvl, n))
+            for k, paxes in batched:
+                if ax in paxes:
+                    leaves[k] = _add_batch_dim(leaves[k], 0, lvl)
+        args, kwargs = optree.tree_unflatten(treedef, leaves)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
+            if hasattr(e, "add_note"):
+                e.add_note(
+                    f"(shmap: raised while running {_fname(func)} batched over the devices of mesh "
+                    f"{body.describe()}; per-device shapes are the logical ones.)"
+                )
+            raise
+        out_leaves, out_def = optree.tree_flatten(out, none_is_leaf=True)
+        while levels:
+            lvl, n = levels[-1]
+            out_leaves = [
+                _remove_batch_dim(o, lvl, n, 0) if isinstance(o, torch.Tensor) else o for o in out_leaves
+            ]
+            levels.pop()
+            _vmap_decrement_nesting()
+        return optree.tree_unflatten(out_def, out_leaves)
+    finally:
+        for _ in levels:
+            _vmap_decrement_nesting()
+
+
+def _wrap_out(out, paxes, vma_, body):
+    if isinstance(out, torch.Tensor):
+        return ShTensor(out, paxes, vma_, body)
+    if body is None:
+        return out
+    leaves, treedef = optree.tree_flatten(out, none_is_leaf=True)
+    if not any(isinstance(o, torch.Tensor) for o in leaves):
+        return out
+    leaves = [ShTensor(o, paxes, vma_, body) if isinstance(o, torch.Tensor) else o for o in leaves]
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def _check_inplace(func, self_val, union, body):
+    self_vma = self_val._vma if isinstance(self_val, ShTensor) else frozenset()
+    if not union <= self_vma:
+        what = "a value created outside the body (invariant)" if not isinstance(self_val, ShTensor) else (
+            f"a value varying along {fmt_vma(self_vma, body.axes)}"
+        )
+        raise VmaError(
+            f"{_fname(func)}: in-place update of {what} with operands varying along "
+            f"{fmt_vma(union, body.axes)} (mesh {body.describe()}). An in-place op cannot change a value's "
+            "device variance: the result would differ across devices but the target may not. "
+            "Fix: compute out of place, e.g. `x = x + y`, or `x = shmap.pvary(x, axes)` first."
+        )
+
+
+def _make_writable(x: ShTensor):
+    """Give `x` its own storage if its layout is a stride-0 broadcast (from pvary)."""
+    k = len(x._paxes)
+    st = x._phys.stride()
+    if any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k)):
+        x._phys = x._phys.clone()
+
+
+def _fname(func) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    mod = getattr(func, "__module__", "") or ""
+    if mod.startswith("torch") and not name.startswith("Tensor"):
+        return f"torch.{name}" if "." not in name else name
+    return name
+
+
+# --------------------------------------------------------------------------
+# Functions that need a body value's meaning, not batching
+# --------------------------------------------------------------------------
+def _metadata(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _phys_attr(name):
+    def get(func, args, kwargs):
+        return getattr(args[0]._phys, name)
+
+    return get
+
+
+def _grad_get(func, args, kwargs):
+    x = args[0]
+    g = x._phys.grad
+    return None if g is None else ShTensor(g, x._paxes, x._vma, x._body)
+
+
+def _data_get(func, args, kwargs):
+    x = args[0]
+    return ShTensor(x._phys.data, x._paxes, x._vma, x._body)
+
+
+def _requires_grad_(func, args, kwargs):
+    x = args[0]
+    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    x._phys.requires_grad_(flag)
+    x._lifts = None
+    return x
+
+
+def _retain_grad(func, args, kwargs):
+    args[0]._phys.retain_grad()
+
+
+def _hash(func, args, kwargs):
+    return id(args[0])
+
+
+def _iter(func, args, kwargs):
+    x = args[0]
+    if x.dim() == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(x.unbind(0))
+
+
+def _concrete(what):
+    def get(func, args, kwargs):
+        x = args[0]
+        if x._vma:
+            raise varying_control_flow(what, x._vma, x._body.mesh)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(x._phys, *args[1:], **kwargs)
+
+    return get
+
+
+def _register_hook(func, args, kwargs):
+    x, hook = args[0], args[1]
+
+    def phys_hook(g):
+        r = hook(ShTensor(g, x._paxes, x._vma, x._body))
+        return None if r is None else to_layout(r, x)
+
+    return x._phys.register_hook(phys_hook)
+
+
+def to_layout(v, like: ShTensor) -> torch.Tensor:
+    """Physical tensor of `v` laid out like `like` (v may vary along a subset)."""
+    body = like._body
+    if isinstance(v, ShTensor):
+        if not v._vma <= like._vma:
+            raise VmaError(
+                f"a value varying along {fmt_vma(v._vma, body.axes)} was given where one varying along "
+                f"{fmt_vma(like._vma, body.axes)} is expected (mesh {body.describe()}). "
+                "Fix: reduce it first, e.g. with shmap.psum."
+            )
+        return expand_to(v._phys, v._paxes, like._paxes, body.sizes)
+    v = torch.as_tensor(v, dtype=like.dtype, device=like.device)
+    return expand_to(v, (), like._paxes, body.sizes)
+
+
+def _seed_grad(out, grad):
+    if grad is None:
+        if isinstance(out, ShTensor) and out.numel() == 1:
+            return torch.ones_like(out._phys)
+        return None
+    if isinstance(out, ShTensor):
+        return to_layout(grad, out)
+    return grad._phys if isinstance(grad, ShTensor) else grad
+
+
+def _backward(func, args, kwargs):
+    x = args[0]
+    gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
+    rest = dict(kwargs)
+    rest.pop("gradient", None)
+    if "inputs" in rest and rest["inputs"] is not None:
+        inp = rest["inputs"]
+        inp = [inp] if isinstance(inp, torch.Tensor) else list(inp)
+        rest["inputs"] = [i._phys if isinstance(i, ShTensor) else i for i in inp]
+    x._phys.backward(_seed_grad(x, gradient), *args[2:], **rest)
+
+
+def _autograd_grad(func, args, kwargs):
+    import inspect
+
+    bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    outputs, inputs, grad_outputs = a["outputs"], a["inputs"], a["grad_outputs"]
+    single_in = isinstance(inputs, torch.Tensor)
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    inputs = [inputs] if single_in else list(inputs)
+    if grad_outputs is None:
+        grad_outputs = [None] * len(outputs)
+    elif isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = [grad_outputs]
+    phys_go = [_seed_grad(o, g) for o, g in zip(outputs, grad_outputs)]
+    phys_out = [o._phys if isinstance(o, ShTensor) else o for o in outputs]
+    phys_in = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
+    rest = {k: v for k, v in a.items() if k not in ("outputs", "inputs", "grad_outputs")}
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = torch.autograd.grad(phys_out, phys_in, phys_go, **rest)
+    res = tuple(
+        ShTensor(g, i._paxes, i._vma, i._body) if (g is not None and isinstance(i, ShTensor)) else g
+        for g, i in zip(grads, inputs)
+    )
+    return res
+
+
+def _format(x: ShTensor) -> str:
+    body = x._body
+    kind = "invariant" if not x._vma else f"varying along {fmt_vma(x._vma, body.axes)}"
+    head = (
+        f"ShTensor(per-device shape {tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}, {kind}, "
+        f"mesh {body.describe()}"
+    )
+    phys = x._phys.detach()
+    if phys.grad_fn is None and x._phys.grad_fn is not None:
+        head += f", grad_fn={type(x._phys.grad_fn).__name__}"
+    head += ")"
+    if not x._paxes:
+        return head + "\n  every device: " + _indent(repr(phys), 16)
+    lines = [head]
+    for idx in itertools.product(*(range(body.sizes[a]) for a in x._paxes)):
+        label = ", ".join(f"{a}={i}" for a, i in zip(x._paxes, idx))
+        lines.append(f"  device ({label}): " + _indent(repr(phys[idx]), 12 + len(label)))
+    return "\n".join(lines)
+
+
+def _indent(s, n):
+    return s.replace("\n", "\n" + " " * n)
+
+
+def _repr(func, args, kwargs):
+    return _format(args[0])
+
+
+def _format_spec(func, args, kwargs):
+    return _format(args[0])
+
+
+_T = torch.Tensor
+_SPECIAL = {}
+for _name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized", "is_meta",
+              "is_mps", "is_cpu", "itemsize", "nbytes"):
+    if hasattr(_T, _name):
+        _SPECIAL[getattr(_T, _name).__get__] = _metadata
+for _m in (_T.size, _T.dim, _T.numel, _T.__len__, _T.is_floating_point, _T.is_complex, _T.element_size,
+           _T.nelement, _T.ndimension, _T.get_device, _T.is_contiguous, _T.stride):
+    _SPECIAL[_m] = _metadata
+for _name in ("requires_grad", "grad_fn", "is_leaf"):
+    _SPECIAL[getattr(_T, _name).__get__] = _phys_attr(_name)
+_SPECIAL[_T.grad.__get__] = _grad_get
+_SPECIAL[_T.data.__get__] = _data_get
+_SPECIAL[_T.requires_grad_] = _requires_grad_
+_SPECIAL[_T.retain_grad] = _retain_grad
+_SPECIAL[_T.register_hook] = _register_hook
+_SPECIAL[_T.__hash__] = _hash
+_SPECIAL[_T.__iter__] = _iter
+_SPECIAL[_T.__repr__] = _repr
+_SPECIAL[_T.__str__] = _repr
+_SPECIAL[_T.__format__] = _format_spec
+_SPECIAL[_T.backward] = _backward
+_SPECIAL[torch.autograd.grad] = _autograd_grad
+for _m, _what in ((_T.__bool__, "Python control flow (`if`/`while`/`bool()`) on a tensor"),
+                  (_T.item, "`.item()`"), (_T.tolist, "`.tolist()`"), (_T.numpy, "`.numpy()`"),
+                  (_T.__int__, "`int()`"), (_T.__float__, "`float()`"), (_T.__index__, "use as an index"),
+                  (_T.__complex__, "`complex()`"), (_T.__array__, "conversion to a NumPy array")):
+    _SPECIAL[_m] = _concrete(_what)
