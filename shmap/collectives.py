@@ -83,9 +83,11 @@ def _varying(x: ShTensor, axes, body):
     return lift(x, x._vma | frozenset(axes), body)
 
 
-def _out(phys, paxes, body):
-    vma_ = frozenset(paxes) if body.check_vma else frozenset(body.axes)
-    return ShTensor(phys, paxes, vma_, body)
+def _out(phys, paxes, vma_, body):
+    """Wrap a backend result with the type the collective's rule gives it."""
+    if not body.check_vma:
+        vma_ = frozenset(body.axes)
+    return ShTensor(phys, paxes, frozenset(vma_), body)
 
 
 def _dim(api, what, d, rank, allow_end=False):
@@ -121,7 +123,7 @@ def psum(x, axis_name):
     body, x = _operand("psum", x, axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum(phys, x._paxes, axes, body, x.shape, not body.check_vma)
-    return _out(out, paxes, body)
+    return _out(out, paxes, x._vma - set(axes), body)
 
 
 # pmean: V{A} -> I{A}                        transpose: pvary, scaled
@@ -140,7 +142,7 @@ def _pextremum(kind, x, axis_name):
     body, x = _operand(kind, x, axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.pextremum(kind, phys, x._paxes, axes, body, x.shape, not body.check_vma)
-    return _out(out, paxes, body)
+    return _out(out, paxes, x._vma - set(axes), body)
 
 
 def pmax(x, axis_name):
@@ -175,7 +177,7 @@ def pvary(x, axis_name):
     if not added:
         return x
     out, paxes = body.backend.pvary(x._phys, x._paxes, mesh_order(added, body), body, x.shape)
-    return _out(out, paxes, body)
+    return _out(out, paxes, x._vma | set(axes), body)
 
 
 # --------------------------------------------------------------------------
@@ -197,7 +199,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
     out, paxes = body.backend.all_gather(
         phys, x._paxes, axes, body, x.shape, axis, tiled, invariant, not body.check_vma
     )
-    return _out(out, paxes, body)
+    return _out(out, paxes, (x._vma - set(axes)) if invariant else (x._vma | set(axes)), body)
 
 
 def all_gather(x, axis_name, *, axis=0, tiled=False):
@@ -235,7 +237,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
                            f"use tiled=True, or reshape so dimension {d} has size {n}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
-    return _out(out, paxes, body)
+    return _out(out, paxes, x._vma | set(axes), body)
 
 
 # --------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def ppermute(x, axis_name, perm):
     pairs = _check_perm(api, perm, n, axes, body)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.ppermute(phys, x._paxes, axes, body, x.shape, pairs)
-    return _out(out, paxes, body)
+    return _out(out, paxes, x._vma | set(axes), body)
 
 
 def _check_perm(api, perm, n, axes, body):
@@ -322,7 +324,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
                            f"use tiled=True, or reshape so dimension {sa} has size {n}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.all_to_all(phys, x._paxes, axes, body, x.shape, sa, ca, tiled)
-    return _out(out, paxes, body)
+    return _out(out, paxes, x._vma | set(axes), body)
 
 
 # --------------------------------------------------------------------------
@@ -333,11 +335,8 @@ def axis_index(axis_name):
     axes = _axes("axis_index", axis_name)
     body = context.body_for_axes("axis_index", axes)
     device = body.mesh.device or torch.get_default_device()
-    phys, paxes = body.backend.axis_index(axes, body, device)
-    if not body.check_vma:
-        phys = body.backend._materialize(phys, paxes, body.axes, body)[0]
-        paxes = body.axes
-    return _out(phys, paxes, body)
+    phys, paxes = body.backend.axis_index(axes, body, device, not body.check_vma)
+    return _out(phys, paxes, set(axes), body)
 
 
 def axis_size(axis_name) -> int:

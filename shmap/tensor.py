@@ -234,7 +234,7 @@ def _dispatch(func, args, kwargs):
         if isinstance(self_val, ShTensor):
             _make_writable(self_val)
 
-    out_paxes = mesh_order(union, body)
+    out_paxes = mesh_order(union, body) if body is not None and body.backend.batched else ()
     batched = []
     for k in tensor_idx:
         leaf = leaves[k]

@@ -16,6 +16,14 @@ typing rules follow JAX 0.10.2 with ``check_vma=True``, including where it is
 stricter than REFERENCE.md (``psum``/``pmean``/``psum_scatter`` refuse an
 operand that varies along only part of the named axes; ``pvary`` refuses axes
 the value already varies along).
+
+One JAX quirk is *not* followed: ``lax.ppermute``/``lax.pshuffle`` over a tuple
+of axes linearise the devices in mesh order whatever the tuple's order (their
+lowering sorts device ids), while ``axis_index``, ``all_gather``, ``psum_scatter``
+and ``all_to_all`` honour the tuple's major-to-minor order.  REFERENCE.md says
+tuples are linearised major-to-minor in the given order, so the reference does
+that everywhere and JAX comparisons only draw mesh-ordered tuples for these two
+(``jax_compatible=True``); test_reference pins the quirk down.
 """
 from __future__ import annotations
 
@@ -434,8 +442,9 @@ def meshes(draw, max_devices=8):
 class _Builder:
     """Mutable state while drawing one program."""
 
-    def __init__(self, draw, mesh_shape, names, ops):
+    def __init__(self, draw, mesh_shape, names, ops, jax_compatible):
         self.draw, self.names, self.ops = draw, names, ops
+        self.jax_compatible = jax_compatible
         self.sizes = dict(zip(names, mesh_shape))
         self.inputs: list[Input] = []
         self.steps: list[Step] = []
@@ -540,6 +549,8 @@ class _Builder:
                 {"axes": a, "axis": d, "tiled": t} for a in axes for t in (False, True)
                 for d in range(r + (0 if t else 1))])
         if op in ("ppermute", "pshuffle"):
+            if self.jax_compatible:  # JAX linearises these in mesh order: see module doc
+                axes = [a for a in axes if list(a) == sorted(a, key=self.names.index)]
             a = self.draw(st.sampled_from(axes))
             n = _size(self.sizes, a)
             dst = self.draw(st.permutations(range(n)))
@@ -589,16 +600,19 @@ class _Builder:
 
 
 @st.composite
-def programs(draw, *, differentiable=False, max_steps=5, ops=None, focus=None):
+def programs(draw, *, differentiable=False, max_steps=5, ops=None, focus=None,
+             jax_compatible=True):
     """Valid programs: every step type-checks and every output is legal.
 
     ``differentiable=True`` leaves out ops JAX cannot differentiate (pmax/pmin).
+    ``jax_compatible=False`` also allows ppermute/pshuffle over axis tuples not
+    in mesh order, where JAX 0.10.2 disagrees with REFERENCE.md (see top).
     ``focus``: an op that must appear (so every collective gets its share of
     the example budget when a test is parametrised over ops).
     """
     mesh_shape, names = draw(meshes())
     ops = [o for o in (ops or OPS) if OPS[o].differentiable or not differentiable]
-    b = _Builder(draw, mesh_shape, names, sorted(ops))
+    b = _Builder(draw, mesh_shape, names, sorted(ops), jax_compatible)
     for _ in range(draw(st.integers(1, 2))):
         b.new_input(b.local_shape())
     n_steps = draw(st.integers(1, max_steps))

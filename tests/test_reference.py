@@ -83,3 +83,21 @@ def test_generator_reaches_every_op():
         find(pg.programs(), lambda p, op=op: op in p.ops,
              settings=settings(database=None, derandomize=True, max_examples=300,
                                suppress_health_check=list(HealthCheck)))
+
+
+def test_jax_ppermute_quirk_is_why_generator_orders_tuples():
+    """JAX's ppermute linearises ('j','i') in mesh order; the reference does not.
+
+    REFERENCE.md: tuple axes are linearised major-to-minor in the given order,
+    as JAX's own axis_index does.  If this starts failing, JAX fixed the quirk
+    and ``programs(jax_compatible=...)`` can stop restricting ppermute/pshuffle.
+    """
+    def program(axes):
+        return pg.Program((2, 3), ("i", "j"), (pg.Input("x0", (6,), (("i", "j"),)),),
+                          (pg.Step("v0", "ppermute", ("x0",), {"axes": axes, "perm": [(1, 0)]}),),
+                          (("v0", (("i", "j"),)),))
+    x = np.arange(6.0)
+    jax_out = np.asarray(pg.jax_fn(program(("j", "i")))(x)[0])
+    np.testing.assert_array_equal(jax_out, pg.reference_fn(program(("i", "j")))(x)[0])
+    # Given order: device (0,0) (index 0 along ('j','i')) receives from index 1 = (i=1, j=0).
+    np.testing.assert_array_equal(pg.reference_fn(program(("j", "i")))(x)[0], [3, 0, 0, 0, 0, 0])

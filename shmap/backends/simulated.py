@@ -21,6 +21,8 @@ class Simulated:
     """Physical collectives and the global<->per-device boundary, batched."""
 
     name = "simulated"
+    #: ordinary ops run batched over the leading (per-device) dims
+    batched = True
 
     # ------------------------------------------------------------------
     # Boundary
@@ -213,11 +215,14 @@ class Simulated:
     # ------------------------------------------------------------------
     # axis_index: -> varying{A}, an integer scalar per device
     # ------------------------------------------------------------------
-    def axis_index(self, axes, body, device):
+    def axis_index(self, axes, body, device, unchecked):
         n = math.prod(body.sizes[a] for a in axes)
         t = torch.arange(n, device=device).reshape([body.sizes[a] for a in axes])
         target = mesh_order(axes, body)
-        return t.permute([axes.index(a) for a in target]), target
+        t = t.permute([axes.index(a) for a in target])
+        if unchecked:
+            return self._materialize(t, target, body.axes, body)
+        return t, target
 
     # ------------------------------------------------------------------
     def _materialize(self, phys, paxes, axes, body):
