@@ -1,0 +1,37 @@
+"""Mesh and PartitionSpec: metadata only."""
+import pytest
+import torch
+
+import shmap
+from shmap import P
+
+
+def test_make_mesh_shape_names_and_devices():
+    m = shmap.make_mesh((4, 2), ("i", "j"))
+    assert m.shape == {"i": 4, "j": 2} and m.axis_names == ("i", "j") and m.size == 8
+    assert m.devices.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert "i=4, j=2" in repr(m)
+    assert shmap.make_mesh((2,), ("x",), device="cpu").device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("shape,names,match", [
+    ((4, 2), ("i",), "one name per mesh axis"),
+    ((0,), ("i",), ">= 1"),
+])
+def test_make_mesh_errors(shape, names, match):
+    with pytest.raises(ValueError, match=match):
+        shmap.make_mesh(shape, names)
+
+
+def test_mesh_rejects_duplicate_names():
+    with pytest.raises(ValueError, match="distinct"):
+        shmap.Mesh(torch.arange(4).reshape(2, 2), ("i", "i"))
+
+
+def test_partition_spec_normalisation_and_equality():
+    assert P("i", None) == P("i") and hash(P("i", None)) == hash(P("i"))
+    assert P(("i",)) == P("i") and P([]) == P(None) == P()
+    s = P(("i", "j"), None, "k")
+    assert s.dim_axes(0) == ("i", "j") and s.dim_axes(1) == () and s.dim_axes(5) == ()
+    assert s.axes() == ("i", "j", "k") and len(s) == 3 and repr(s) == "P(('i', 'j'), None, 'k')"
+    assert not isinstance(s, tuple)  # never confused with a tuple of specs

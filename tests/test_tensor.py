@@ -1,0 +1,178 @@
+"""Body values: typing of ordinary ops, automatic pvary, printing, autograd inside bodies, in-place rules."""
+import pytest
+import torch
+
+import shmap
+from shmap import P
+
+torch.set_default_dtype(torch.float64)
+MESH = shmap.make_mesh((4, 2), ("i", "j"))
+
+
+def sm(f, i, o, **kw):
+    return shmap.shard_map(f, mesh=MESH, in_specs=i, out_specs=o, **kw)
+
+
+def test_ordinary_ops_take_the_union_and_shapes_are_logical():
+    seen = {}
+
+    def body(a, b, w):
+        seen["a"] = (tuple(a.shape), a.dim(), a.numel(), len(a), a.dtype, a.device.type)
+        y = a @ w + b.sum()  # {i} @ {} + {j}
+        seen["y"] = (shmap.vma(y), tuple(y.shape))
+        seen["cat"] = shmap.vma(torch.cat([a, a * 2], 0))
+        seen["max"] = shmap.vma(torch.max(a, dim=1).values)
+        seen["idx"] = shmap.vma(w[shmap.axis_index("j")])
+        return shmap.psum(y, ("i", "j"))
+
+    sm(body, (P("i"), P("j"), P()), P())(torch.randn(8, 3), torch.randn(4), torch.randn(3, 5))
+    assert seen["a"] == ((2, 3), 2, 6, 2, torch.float64, "cpu")
+    assert seen["y"] == ({"i", "j"}, (2, 5))
+    assert seen["cat"] == {"i"} and seen["max"] == {"i"} and seen["idx"] == {"j"}
+
+
+def test_auto_pvary_is_memoised_one_psum_per_parameter():
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(8, 3)
+
+    def body(xb):
+        h = torch.tanh(xb @ w)  # w closed over: used twice with varying data
+        return shmap.psum((h @ w).sum(), "i")
+
+    mesh = shmap.make_mesh((8,), ("i",))
+    out = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())(x)
+    with shmap.comm_log() as log:
+        (g,) = torch.autograd.grad(out, w)
+    assert log.count("psum") == 1
+    ref = (torch.tanh(x @ w) @ w).sum()
+    torch.testing.assert_close(g, torch.autograd.grad(ref, w)[0])
+
+
+def test_print_shows_every_device_block(capsys):
+    def body(a, w):
+        print(a)
+        print(w)
+        return a
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    shmap.shard_map(body, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))(
+        torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([7.0]))
+    out = capsys.readouterr().out
+    assert "varying along {'i'}" in out
+    assert "device (i=0): tensor([1., 2.]" in out and "device (i=1): tensor([3., 4.]" in out
+    assert "invariant" in out and "every device: tensor([7.]" in out
+
+
+def test_invariant_values_allow_python_scalars():
+    got = []
+
+    def body(a):
+        total = shmap.psum(a.sum(), "i")
+        got.append((total.item(), float(total), bool(total > 0)))
+        with pytest.raises(shmap.VaryingControlFlowError):
+            a.sum().item()
+        return a
+
+    x = torch.ones(8)
+    sm(body, P("i"), P("i"))(x)
+    assert got == [(8.0, 8.0, True)]
+
+
+def test_autograd_inside_the_body_first_and_second_order():
+    x = torch.randn(8, 3)
+    w = torch.randn(3, requires_grad=True)
+    mesh = shmap.make_mesh((8,), ("i",))
+
+    def body(xb, wb):
+        wb = wb.detach().requires_grad_()
+        local = (torch.sin(xb @ wb)).sum()  # varying loss
+        (g,) = torch.autograd.grad(local, wb, create_graph=True)  # invariant param: gradient psum'd
+        assert shmap.vma(g) == frozenset()
+        (h,) = torch.autograd.grad(g.sum(), wb)
+        return g, h
+
+    g, h = shmap.shard_map(body, mesh=mesh, in_specs=(P("i"), P()), out_specs=(P(), P()))(x, w)
+    wr = w.detach().requires_grad_()
+    (gr,) = torch.autograd.grad(torch.sin(x @ wr).sum(), wr, create_graph=True)
+    (hr,) = torch.autograd.grad(gr.sum(), wr)
+    torch.testing.assert_close(g, gr)
+    torch.testing.assert_close(h, hr)
+
+
+def test_backward_inside_body_accumulates_into_outer_leaves():
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(8, 3)
+    mesh = shmap.make_mesh((8,), ("i",))
+
+    def body(xb):
+        loss = shmap.pmean((xb @ w).pow(2).mean(), "i")
+        loss.backward()
+        return loss
+
+    shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())(x)
+    wr = w.detach().requires_grad_()
+    (x @ wr).pow(2).mean().backward()
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_gradient_from_outside_second_order():
+    x = torch.randn(8, 3, requires_grad=True)
+    mesh = shmap.make_mesh((8,), ("i",))
+    f = shmap.shard_map(lambda v: shmap.psum(torch.sin(v).pow(2).sum(), "i"), mesh=mesh, in_specs=P("i"),
+                        out_specs=P())
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(g, 2 * torch.sin(x) * torch.cos(x))
+    torch.testing.assert_close(h, 2 * torch.cos(2 * x))
+
+
+def test_inplace_rules():
+    def ok(a, b):
+        a = a * 1
+        a += b  # {i} += {} is fine
+        a.mul_(2)
+        return a
+
+    x, y = torch.randn(8), torch.randn(2)
+    out = sm(ok, (P("i"), P()), P("i"))(x, y)
+    torch.testing.assert_close(out, (x + y.repeat(4)) * 2)
+
+    def bad(a, b):
+        b = b * 1
+        b += a  # {} += {i}: the target cannot become varying
+        return b
+
+    with pytest.raises(shmap.VmaError) as e:
+        sm(bad, (P("i"), P()), P())(x, y)
+    assert "in-place" in str(e.value) and "x = x + y" in str(e.value)
+
+    def writes_pvaried(a, b):
+        c = shmap.pvary(b, "i")  # stride-0 view: in-place gets its own storage
+        c.add_(a)
+        return c
+
+    out = sm(writes_pvaried, (P("i"), P()), P("i"))(x, y)
+    torch.testing.assert_close(out, x + y.repeat(4))
+
+
+def test_body_values_do_not_escape():
+    leaked = []
+
+    def body(a):
+        leaked.append(a)
+        return a
+
+    sm(body, P("i"), P("i"))(torch.randn(8))
+    with pytest.raises(shmap.VmaError, match="already returned"):
+        leaked[0] + 1
+
+
+def test_nn_module_inside_body():
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(8, 3)
+    mesh = shmap.make_mesh((8,), ("i",))
+    out = shmap.shard_map(lambda v: shmap.psum(lin(v).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(x)
+    torch.testing.assert_close(out, lin(x).sum())
+    with shmap.comm_log() as log:
+        out.backward()
+    assert log.count("psum") == 2  # weight and bias, one each
