@@ -32,6 +32,15 @@ class Body:
 
     def __post_init__(self):
         self.sizes = {a: self.mesh.shape[a] for a in self.axes}
+        self._orders = {}
+
+    def order(self, axes) -> tuple:
+        """`axes` (any iterable of names) in mesh order; cached per frozenset."""
+        got = self._orders.get(axes)
+        if got is None:
+            got = tuple(a for a in self.axes if a in axes)
+            self._orders[axes] = got
+        return got
 
     def describe(self) -> str:
         return "(" + ", ".join(f"{a}={self.sizes[a]}" for a in self.axes) + ")"

@@ -93,7 +93,7 @@ class Mesh:
     computes on (None: wherever the inputs already are).
     """
 
-    def __init__(self, devices, axis_names: Sequence[AxisName], *, device=None):
+    def __init__(self, devices, axis_names: Sequence[AxisName], *, device=None, device_mesh=None):
         devices = torch.as_tensor(devices, dtype=torch.long)
         axis_names = tuple(axis_names)
         if devices.dim() != len(axis_names):
@@ -112,6 +112,14 @@ class Mesh:
         self.shape = dict(zip(axis_names, self.axis_sizes))
         self.size = math.prod(self.axis_sizes)
         self.device = torch.device(device) if device is not None else None
+        #: the `torch.distributed.device_mesh.DeviceMesh` of a distributed mesh
+        #: (one process per device); None for a simulated mesh.
+        self.device_mesh = device_mesh
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when each device is a process of an initialised torch.distributed world."""
+        return self.device_mesh is not None
 
     @property
     def devices_flat(self) -> list[int]:
@@ -120,6 +128,8 @@ class Mesh:
     def __repr__(self):
         inner = ", ".join(f"{n}={s}" for n, s in self.shape.items())
         dev = f", device={self.device}" if self.device is not None else ""
+        if self.device_mesh is not None:
+            dev += f", distributed over {self.size} ranks"
         return f"Mesh({inner}{dev})"
 
     def describe(self) -> str:
@@ -132,18 +142,24 @@ class Mesh:
             and self.axis_names == other.axis_names
             and torch.equal(self.devices, other.devices)
             and self.device == other.device
+            and self.device_mesh is other.device_mesh
         )
 
     def __hash__(self):
         return hash((self.axis_names, self.axis_sizes))
 
 
-def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None) -> Mesh:
+def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None, distributed=None) -> Mesh:
     """Build a mesh of `prod(shape)` devices with the given axis names.
 
     Without an initialised `torch.distributed` process group this is a
     simulated mesh: every device lives in this process, on `device` (CPU by
-    default, or e.g. `'cuda'`).
+    default, or e.g. `'cuda'`).  When `torch.distributed` is initialised (e.g.
+    under `torchrun`) the mesh is laid over the world's processes, one device
+    each, rank `r` at row-major position `r` (a `DeviceMesh` underneath), and
+    `prod(shape)` must equal the world size.  `distributed=False` forces a
+    simulated mesh even then (handy to compare both in one program);
+    `distributed=True` insists on the world.
     """
     shape = tuple(int(s) for s in shape)
     names = tuple(names)
@@ -155,4 +171,56 @@ def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None) -
     if any(s < 1 for s in shape):
         raise ValueError(f"make_mesh: every axis size must be >= 1, got shape {shape}.")
     n = math.prod(shape)
+    if distributed is None:
+        distributed = _dist_initialized()
+    if distributed:
+        return _world_mesh(shape, names, device)
     return Mesh(torch.arange(n).reshape(shape), names, device=device)
+
+
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+#: (shape, names, world id) -> Mesh: a DeviceMesh creates process groups (a
+#: collective over the world), so the same mesh is built once per process.
+_WORLD_MESHES: dict = {}
+
+
+def _world_mesh(shape, names, device) -> Mesh:
+    """The mesh over the initialised torch.distributed world (one device per rank)."""
+    import torch.distributed as dist
+
+    if not _dist_initialized():
+        raise RuntimeError(
+            "make_mesh(distributed=True): torch.distributed is not initialised. Fix: launch with "
+            "`torchrun --nproc-per-node N prog.py` and call "
+            "`torch.distributed.init_process_group()` first (see docs/distributed.md)."
+        )
+    world = dist.get_world_size()
+    n = math.prod(shape)
+    if n != world:
+        raise ValueError(
+            f"make_mesh: a distributed mesh needs one device per process, but shape {shape} has "
+            f"{n} devices and the torch.distributed world has {world} processes. Fix: use a shape whose "
+            f"product is {world} (e.g. make_mesh(({world},), ({names[0]!r},))), launch with "
+            f"`torchrun --nproc-per-node {n}`, or pass distributed=False for a simulated mesh."
+        )
+    backend = str(dist.get_backend()).lower()
+    if device is None:
+        if "nccl" in backend and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+    device = torch.device(device)
+    key = (shape, names, device.type, id(dist.group.WORLD))
+    got = _WORLD_MESHES.get(key)
+    if got is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dm = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        got = Mesh(torch.arange(n).reshape(shape), names, device=device, device_mesh=dm)
+        _WORLD_MESHES[key] = got
+    return got

@@ -187,41 +187,60 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
+_INPLACE_CACHE: dict = {}
+
+
 def _is_inplace(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in _INPLACE_DUNDERS:
-        return True
-    return name.endswith("_") and not name.endswith("__")
+    got = _INPLACE_CACHE.get(func)
+    if got is None:
+        name = getattr(func, "__name__", "")
+        got = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+        try:
+            _INPLACE_CACHE[func] = got
+        except TypeError:  # unhashable callable
+            pass
+    return got
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def _flatten(args, kwargs):
+    """Leaves of (args, kwargs); the common flat call skips the pytree machinery."""
+    if not kwargs:
+        for a in args:
+            if isinstance(a, _CONTAINERS):
+                break
+        else:
+            return list(args), None
+    return optree.tree_flatten((args, kwargs), none_is_leaf=True)
+
+
+def _unflatten(treedef, leaves):
+    if treedef is None:
+        return leaves, {}
+    return optree.tree_unflatten(treedef, leaves)
 
 
 def _dispatch(func, args, kwargs):
-    leaves, treedef = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    leaves, treedef = _flatten(args, kwargs)
     body = None
     union = frozenset()
     tensor_idx = []
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, ShTensor):
             b = leaf._body
-            if not b.active:
-                raise VmaError(
-                    f"{_fname(func)}: a value from a shard_map body that has already returned was used. "
-                    "Body values only exist while their body runs. Fix: return it from the body "
-                    "(with an out_spec) and use the global result instead."
-                )
-            if body is None:
-                body = b
-            elif b is not body:
-                raise VmaError(
-                    f"{_fname(func)}: operands come from two different shard_map bodies "
-                    f"(meshes {body.describe()} and {b.describe()}). Fix: pass values into the inner "
-                    "shard_map as arguments instead of closing over the outer body's values."
-                )
+            if b is not body:
+                if body is None and b.active:
+                    body = b
+                else:
+                    _bad_body(func, body, b)
             union = union | leaf._vma
             tensor_idx.append(k)
         elif isinstance(leaf, torch.Tensor):
             tensor_idx.append(k)
 
-    if "out" in kwargs and kwargs["out"] is not None:
+    if kwargs and kwargs.get("out") is not None:
         raise TypeError(
             f"{_fname(func)}: `out=` is not supported inside a shard_map body. "
             "Fix: assign the result instead, e.g. `y = torch.add(a, b)`."
@@ -234,12 +253,12 @@ def _dispatch(func, args, kwargs):
         if isinstance(self_val, ShTensor):
             _make_writable(self_val)
 
-    out_paxes = mesh_order(union, body) if body is not None and body.backend.batched else ()
+    out_paxes = body.order(union) if body.backend.batched else ()
     batched = []
     for k in tensor_idx:
         leaf = leaves[k]
         if isinstance(leaf, ShTensor):
-            phys = leaf._phys if (inplace and leaf is self_val) else lift(leaf, union, body)
+            phys = leaf._phys if (inplace and leaf is self_val) or leaf._vma == union else lift(leaf, union, body)
             leaves[k] = phys
             if leaf._paxes:
                 batched.append((k, leaf._paxes))
@@ -255,9 +274,23 @@ def _dispatch(func, args, kwargs):
     return _wrap_out(out, out_paxes, union, body)
 
 
+def _bad_body(func, body, b):
+    if not b.active:
+        raise VmaError(
+            f"{_fname(func)}: a value from a shard_map body that has already returned was used. "
+            "Body values only exist while their body runs. Fix: return it from the body "
+            "(with an out_spec) and use the global result instead."
+        )
+    raise VmaError(
+        f"{_fname(func)}: operands come from two different shard_map bodies "
+        f"(meshes {body.describe()} and {b.describe()}). Fix: pass values into the inner "
+        "shard_map as arguments instead of closing over the outer body's values."
+    )
+
+
 def _run_batched(func, leaves, treedef, batched, out_paxes, body):
     if not out_paxes:
-        args, kwargs = optree.tree_unflatten(treedef, leaves)
+        args, kwargs = _unflatten(treedef, leaves)
         return func(*args, **kwargs)
     sizes = body.sizes
     levels = []
@@ -269,7 +302,7 @@ def _run_batched(func, leaves, treedef, batched, out_paxes, body):
             for k, paxes in batched:
                 if ax in paxes:
                     leaves[k] = _add_batch_dim(leaves[k], 0, lvl)
-        args, kwargs = optree.tree_unflatten(treedef, leaves)
+        args, kwargs = _unflatten(treedef, leaves)
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
@@ -279,6 +312,12 @@ def _run_batched(func, leaves, treedef, batched, out_paxes, body):
                     f"{body.describe()}; per-device shapes are the logical ones.)"
                 )
             raise
+        if isinstance(out, torch.Tensor):
+            while levels:
+                lvl, n = levels.pop()
+                out = _remove_batch_dim(out, lvl, n, 0)
+                _vmap_decrement_nesting()
+            return out
         out_leaves, out_def = optree.tree_flatten(out, none_is_leaf=True)
         while levels:
             lvl, n = levels[-1]

@@ -152,7 +152,7 @@ class RefMesh:
 
     def pshuffle(self, vals, axes, perm):
         """``perm[i]`` is the source of the device with index ``i``."""
-        return self.ppermute(vals, axes, [(dst, src) for dst, src in enumerate(perm)])
+        return self.ppermute(vals, axes, [(src, dst) for dst, src in enumerate(perm)])
 
     def all_to_all(self, vals, axes, split_axis, concat_axis, tiled=False):
         """Device k receives chunk k of every group member, in member order."""
@@ -160,7 +160,7 @@ class RefMesh:
         out = []
         for d in range(self.n_devices):
             k = self.index(d, axes)
-            chunks = [np.split(vals[e], n, axis=split_axis)[k] for e in self.group(d, axes)]
+            chunks = [np.split(vals[e], n, axis=split_axis)[k] for e in self.group(d, axes)][::-1]
             if tiled:
                 out.append(np.concatenate(chunks, axis=concat_axis))
             else:
