@@ -35,7 +35,7 @@ from torch._C._functorch import (
     _vmap_increment_nesting,
 )
 
-from . import comm
+from . import batching, comm
 from .errors import VmaError, fmt_vma, varying_control_flow
 
 
@@ -304,7 +304,7 @@ def _run_batched(func, leaves, treedef, batched, out_paxes, body):
                     leaves[k] = _add_batch_dim(leaves[k], 0, lvl)
         args, kwargs = _unflatten(treedef, leaves)
         try:
-            out = func(*args, **kwargs)
+            out = batching.run(func, args, kwargs)
         except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
             if hasattr(e, "add_note"):
                 e.add_note(
