@@ -152,21 +152,22 @@ def vma(x) -> frozenset:
 def lift(x, target: frozenset, body):
     """Physical tensor of `x` typed as varying along `target` (a no-op copy-wise).
 
-    Memoised per value so that one value used in several ops gets one node,
-    hence one `psum` in the backward pass.
+    Memoised per value (and grad mode) so that one value used in several ops
+    gets one node, hence one `psum` in the backward pass.
     """
+    grad = torch.is_grad_enabled()
     if isinstance(x, ShTensor):
         added = target - x._vma
         if not added:
             return x._phys
         if x._lifts is None:
             x._lifts = {}
-        got = x._lifts.get(target)
+        got = x._lifts.get((target, grad))
         if got is None:
             got = _lift_phys(x._phys, x.shape, added, body)
-            x._lifts[target] = got
+            x._lifts[(target, grad)] = got
         return got
-    key = (id(x), target)
+    key = (id(x), target, grad)
     got = body.lift_cache.get(key)
     if got is None or got[0] is not x:
         got = (x, _lift_phys(x, x.shape, target, body))
@@ -253,6 +254,11 @@ def _dispatch(func, args, kwargs):
         if isinstance(self_val, ShTensor):
             _make_writable(self_val)
 
+    if body is None:  # body values hidden in a container torch cannot see into
+        raise TypeError(
+            f"{_fname(func)}: got shard_map body values inside an argument structure shmap cannot "
+            "traverse. Fix: pass tensors directly or in lists, tuples or dicts."
+        )
     out_paxes = body.order(union) if body.backend.batched else ()
     batched = []
     for k in tensor_idx:
