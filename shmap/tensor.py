@@ -294,20 +294,60 @@ def _bad_body(func, body, b):
     )
 
 
+def _level_plan(out_paxes, batched):
+    """Nesting order of the vmap levels and, per level, where each batch dim sits.
+
+    Functorch applies the innermost level's batching rule first.  An axis along
+    which some operand is invariant must be innermost, so its rule sees an
+    unbatched operand and folds the batch into one big op (`[n*m, k] @ [k, n]`)
+    instead of broadcasting that operand to every device before a `bmm`.
+    Returns (levels, adds, removes): `levels` outer-to-inner axis order;
+    `adds[l]` the (operand, batch dim) pairs to add at level l; `removes[l]` the
+    output dim to restore level l's axis at (inner levels first), so outputs
+    come back in mesh order.
+    """
+    key = (out_paxes, tuple(p for _, p in batched))
+    got = _PLANS.get(key)
+    if got is not None:
+        return got
+    count = {a: sum(a in p for _, p in batched) for a in out_paxes}
+    levels = sorted(out_paxes, key=lambda a: (-count[a], out_paxes.index(a)))
+    adds = []
+    for li, a in enumerate(levels):
+        done = set(levels[:li])
+        adds.append([
+            (j, sum(1 for b in p if b not in done and p.index(b) < p.index(a)))
+            for j, (_, p) in enumerate(batched) if a in p
+        ])
+    removes = []
+    for li in reversed(range(len(levels))):
+        a = levels[li]
+        inner = set(levels[li + 1:])
+        removes.append(sum(1 for b in out_paxes if b in inner and out_paxes.index(b) < out_paxes.index(a)))
+    got = (tuple(levels), adds, removes)
+    if len(_PLANS) < 4096:
+        _PLANS[key] = got
+    return got
+
+
+_PLANS: dict = {}
+
+
 def _run_batched(func, leaves, treedef, batched, out_paxes, body):
     if not out_paxes:
         args, kwargs = _unflatten(treedef, leaves)
         return func(*args, **kwargs)
     sizes = body.sizes
+    order, adds, removes = _level_plan(out_paxes, batched)
     levels = []
     try:
-        for ax in out_paxes:
+        for ax, add in zip(order, adds):
             n = sizes[ax]
             lvl = _vmap_increment_nesting(n, "different")
             levels.append((lvl, n))
-            for k, paxes in batched:
-                if ax in paxes:
-                    leaves[k] = _add_batch_dim(leaves[k], 0, lvl)
+            for j, bdim in add:
+                k = batched[j][0]
+                leaves[k] = _add_batch_dim(leaves[k], bdim, lvl)
         args, kwargs = _unflatten(treedef, leaves)
         try:
             out = batching.run(func, args, kwargs)
@@ -318,21 +358,15 @@ def _run_batched(func, leaves, treedef, batched, out_paxes, body):
                     f"{body.describe()}; per-device shapes are the logical ones.)"
                 )
             raise
-        if isinstance(out, torch.Tensor):
-            while levels:
-                lvl, n = levels.pop()
-                out = _remove_batch_dim(out, lvl, n, 0)
-                _vmap_decrement_nesting()
-            return out
-        out_leaves, out_def = optree.tree_flatten(out, none_is_leaf=True)
-        while levels:
-            lvl, n = levels[-1]
+        single = isinstance(out, torch.Tensor)
+        out_leaves, out_def = ([out], None) if single else optree.tree_flatten(out, none_is_leaf=True)
+        for out_dim in removes:
+            lvl, n = levels.pop()
             out_leaves = [
-                _remove_batch_dim(o, lvl, n, 0) if isinstance(o, torch.Tensor) else o for o in out_leaves
+                _remove_batch_dim(o, lvl, n, out_dim) if isinstance(o, torch.Tensor) else o for o in out_leaves
             ]
-            levels.pop()
             _vmap_decrement_nesting()
-        return optree.tree_unflatten(out_def, out_leaves)
+        return out_leaves[0] if single else optree.tree_unflatten(out_def, out_leaves)
     finally:
         for _ in levels:
             _vmap_decrement_nesting()
@@ -526,6 +560,9 @@ def _format(x: ShTensor) -> str:
         head += f", grad_fn={type(x._phys.grad_fn).__name__}"
     head += ")"
     if not x._paxes:
+        if x._vma and not body.backend.batched:  # distributed: only this rank's block is here
+            who = body.backend.describe_device()
+            return head + f"\n  {who}: " + _indent(repr(phys), len(who) + 4)
         return head + "\n  every device: " + _indent(repr(phys), 16)
     lines = [head]
     for idx in itertools.product(*(range(body.sizes[a]) for a in x._paxes)):

@@ -176,3 +176,27 @@ def test_nn_module_inside_body():
     with shmap.comm_log() as log:
         out.backward()
     assert log.count("psum") == 2  # weight and bias, one each
+
+
+def test_mixed_variance_operands_on_three_axes_match_a_per_device_loop():
+    """Batch levels are nested by how many operands vary along them; results must not depend on it."""
+    mesh = shmap.make_mesh((2, 3, 2), ("a", "b", "c"))
+    x = torch.randn(2 * 4, 5 * 2)   # P('a', 'c')  -> block [4, 5], varies {a, c}
+    y = torch.randn(3 * 5, 6)       # P('b')       -> block [5, 6], varies {b}
+    z = torch.randn(6)              # P()          -> invariant
+
+    def body(xb, yb, zb):
+        return xb @ yb + zb * shmap.axis_index("c")
+
+    out = shmap.shard_map(body, mesh=mesh, in_specs=(P("a", "c"), P("b"), P()),
+                          out_specs=P(("a", "b"), "c"))(x, y, z)
+    rows = []
+    for ia in range(2):
+        for ib in range(3):
+            cols = []
+            for ic in range(2):
+                xb = x[4 * ia:4 * ia + 4, 5 * ic:5 * ic + 5]
+                yb = y[5 * ib:5 * ib + 5]
+                cols.append(xb @ yb + z * ic)
+            rows.append(torch.cat(cols, 1))
+    torch.testing.assert_close(out, torch.cat(rows, 0))
