@@ -25,7 +25,7 @@ class PartitionSpec:
     pytree of `in_specs`.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "_dims", "_axes", "_hash")
 
     def __init__(self, *entries):
         norm = []
@@ -38,6 +38,15 @@ class PartitionSpec:
                 e = None
             norm.append(e)
         self._entries = tuple(norm)
+        # Derived once: specs are immutable and consulted on every call.
+        self._dims = tuple(
+            () if e is None else (e if isinstance(e, tuple) else (e,)) for e in self._entries
+        )
+        self._axes = tuple(a for d in self._dims for a in d)
+        trimmed = list(self._entries)
+        while trimmed and trimmed[-1] is None:
+            trimmed.pop()
+        self._hash = hash(tuple(trimmed))
 
     def __iter__(self):
         return iter(self._entries)
@@ -59,27 +68,18 @@ class PartitionSpec:
         return a == b
 
     def __hash__(self):
-        a = list(self._entries)
-        while a and a[-1] is None:
-            a.pop()
-        return hash(tuple(a))
+        return self._hash
 
     def __repr__(self):
         return "P(" + ", ".join(repr(e) for e in self._entries) + ")"
 
     def dim_axes(self, d: int) -> tuple[AxisName, ...]:
         """The mesh axes splitting tensor dimension `d` (empty if none)."""
-        if d >= len(self._entries) or self._entries[d] is None:
-            return ()
-        e = self._entries[d]
-        return e if isinstance(e, tuple) else (e,)
+        return self._dims[d] if d < len(self._dims) else ()
 
     def axes(self) -> tuple[AxisName, ...]:
         """Every mesh axis the spec mentions, in order of appearance."""
-        out = []
-        for d in range(len(self._entries)):
-            out.extend(self.dim_axes(d))
-        return tuple(out)
+        return self._axes
 
 
 P = PartitionSpec

@@ -17,7 +17,7 @@ import numbers
 import torch
 
 from . import context
-from .backends.simulated import SIMULATED
+from .backends import for_mesh
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
 from .tensor import ShTensor
@@ -92,7 +92,7 @@ def _param_names(f):
 
 
 def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args):
-    backend = SIMULATED
+    backend = for_mesh(mesh)  # simulated, or one process per device under torch.distributed
     body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend)
     leaves = []  # (path, value, spec)
     _match(in_specs, args, "in_specs", leaves, params, top=True, fname=fname)
@@ -233,7 +233,20 @@ def _rebuild_container(orig, keys, new):
 # --------------------------------------------------------------------------
 # Spec validation
 # --------------------------------------------------------------------------
+_VALIDATED: set = set()
+
+
 def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
+    """Validate `spec` for a value of `shape`; a success is remembered (specs are immutable)."""
+    key = (spec, tuple(shape), mesh.axis_names, mesh.axis_sizes, manual, split)
+    if key in _VALIDATED:
+        return
+    _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
+    if len(_VALIDATED) < 65536:
+        _VALIDATED.add(key)
+
+
+def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split):
     if not isinstance(spec, PartitionSpec):
         raise SpecError(
             f"shard_map({fname}) {path}: expected a PartitionSpec (shmap.P(...)), got "
@@ -300,6 +313,12 @@ def _enter(path, value, spec, body, mesh, fname, what):
             f"{type(value).__name__}. Fix: convert it with torch.as_tensor, or mark it static with a None spec."
         )
     _check_spec(spec, path, value.shape, mesh, body.axes, fname, what=what)
+    if not mesh.is_distributed and _is_dtensor(value):
+        raise TypeError(
+            f"shard_map({fname}) {path}: got a DTensor, but mesh {mesh.describe()} is simulated (every device in "
+            "this process). Fix: pass x.full_tensor(), or build the mesh over the torch.distributed world "
+            "with shmap.make_mesh(shape, names) after init_process_group()."
+        )
     if mesh.device is not None and value.device != mesh.device:
         value = value.to(mesh.device)
     phys, paxes = body.backend.split(value, spec, body)
@@ -337,7 +356,9 @@ def _exit(path, value, spec, body, mesh, fname):
                 f"`shmap.psum(y, {_axes_lit(extra)})` (or `shmap.all_gather`), or name the axis in the "
                 f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
             )
-    return body.backend.assemble(x._phys, x._paxes, spec, body, x.shape)
+    # A distributed block has no device axes: it hands over the axes it varies along instead.
+    paxes = x._paxes if body.backend.batched else body.order(x._vma)
+    return body.backend.assemble(x._phys, paxes, spec, body, x.shape)
 
 
 def _axes_lit(axes):
@@ -351,3 +372,9 @@ def _suggest_spec(spec, extra, rank):
             entries[d] = extra[0] if len(extra) == 1 else tuple(extra)
             return "P(" + ", ".join(repr(x) for x in entries) + ")"
     return "P(" + ", ".join(repr(x) for x in entries) + ")"
+
+
+def _is_dtensor(x) -> bool:
+    from .dtensor import is_dtensor
+
+    return is_dtensor(x)

@@ -32,6 +32,16 @@ class Simulated:
 
         A view (reshape + permute), so autograd's backward is the assembly.
         """
+        if not spec.axes():
+            return x, ()
+        key = (spec, tuple(x.shape), body.axes, tuple(body.sizes.values()))
+        got = _SPLITS.get(key)
+        if got is None:
+            got = _SPLITS[key] = self._split_plan(x, spec, body)
+        shape, perm, paxes = got
+        return x.reshape(shape).permute(perm), paxes
+
+    def _split_plan(self, x, spec, body):
         shape = []
         lead_pos = {}
         for d in range(x.dim()):
@@ -40,11 +50,10 @@ class Simulated:
                 shape.append(body.sizes[a])
             n = math.prod(body.sizes[a] for a in spec.dim_axes(d))
             shape.append(x.shape[d] // n)
-        t = x.reshape(shape)
         paxes = mesh_order(lead_pos, body)
         lead = [lead_pos[a] for a in paxes]
         rest = [i for i in range(len(shape)) if i not in lead_pos.values()]
-        return t.permute(lead + rest), paxes
+        return shape, lead + rest, paxes
 
     def assemble(self, phys, paxes, spec, body, logical_shape):
         """(phys, paxes) -> global value, concatenating blocks along named axes.
@@ -54,6 +63,8 @@ class Simulated:
         device 0's copy, with JAX's defensive transpose (cotangent / size).
         """
         named = spec.axes()
+        if not named and not paxes:
+            return phys
         drop = [a for a in paxes if a not in named]
         for a in reversed(drop):
             d = paxes.index(a)
@@ -263,5 +274,7 @@ class TakeFirst(torch.autograd.Function):
         shape.insert(ctx.dim, ctx.size)
         return (g / ctx.size).unsqueeze(ctx.dim).expand(shape), None, None
 
+
+_SPLITS: dict = {}
 
 SIMULATED = Simulated()
