@@ -356,9 +356,18 @@ def _exit(path, value, spec, body, mesh, fname):
                 f"`shmap.psum(y, {_axes_lit(extra)})` (or `shmap.all_gather`), or name the axis in the "
                 f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
             )
+    phys, paxes, vma_ = x._phys, x._paxes, x._vma
+    if body.check_vma:
+        tiled = body.order(frozenset(a for a in spec.axes() if a not in vma_))
+        if tiled:
+            # JAX's implicit pvary: an invariant value tiled into a mapped output has
+            # per-device cotangents, which its transpose psums.
+            phys, paxes = body.backend.pvary(phys, paxes, tiled, body, x.shape)
+            vma_ = vma_ | frozenset(tiled)
     # A distributed block has no device axes: it hands over the axes it varies along instead.
-    paxes = x._paxes if body.backend.batched else body.order(x._vma)
-    return body.backend.assemble(x._phys, paxes, spec, body, x.shape)
+    if not body.backend.batched:
+        paxes = body.order(vma_)
+    return body.backend.assemble(phys, paxes, spec, body, x.shape)
 
 
 def _axes_lit(axes):
