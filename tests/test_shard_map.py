@@ -219,3 +219,18 @@ def test_error_python_if_on_varying_value():
         return a if total > -1e9 else -a
 
     sm(ok, P("i"), P("i"))(torch.randn(8))
+
+
+def test_invariant_output_tiled_into_a_mapped_spec_transposes_to_a_psum():
+    """out_specs naming an axis the value is invariant along tiles it (an implicit pvary, as in JAX):
+    the per-device cotangent blocks differ, so the transpose sums them."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    x = torch.randn(8, requires_grad=True)
+    f = shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    out = f(x)
+    torch.testing.assert_close(out, sum(x.chunk(4)).repeat(4))
+    ct = torch.randn(8)
+    with shmap.comm_log() as log:
+        (g,) = torch.autograd.grad(out, x, ct)
+    assert log.summary() == {"psum": 1}
+    torch.testing.assert_close(g, sum(ct.chunk(4)).repeat(4))
