@@ -13,12 +13,14 @@ from .collectives import (
     axis_size,
     pmax,
     pmean,
+    pcast,
     pmin,
     ppermute,
     pshuffle,
     psum,
     psum_scatter,
     pvary,
+    unreduced_axes,
     vma,
 )
 from .comm import CommEvent, CommLog, comm_log
@@ -37,7 +39,8 @@ from .shard_map import shard_map
 __all__ = [
     "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map",
     "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_gather", "all_gather_invariant",
-    "ppermute", "pshuffle", "all_to_all", "axis_index", "axis_size", "pvary", "vma",
+    "ppermute", "pshuffle", "all_to_all", "axis_index", "axis_size", "pvary", "pcast", "vma",
+    "unreduced_axes",
     "comm_log", "CommLog", "CommEvent",
     "ShmapError", "SpecError", "VmaError", "UnboundAxisError", "CollectiveShapeError",
     "CollectiveArgumentError", "VaryingControlFlowError",

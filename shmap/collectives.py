@@ -20,7 +20,7 @@ import torch
 
 from . import context
 from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, fmt_axes, fmt_vma
-from .tensor import ShTensor, lift, mesh_order, vma  # noqa: F401  (vma re-exported)
+from .tensor import ShTensor, lift, mesh_order, unreduced_axes, vma  # noqa: F401  (re-exported)
 
 #: collective -> the collective its transpose performs (None: no communication)
 TRANSPOSES = {
@@ -33,6 +33,7 @@ TRANSPOSES = {
     "ppermute": "ppermute",  # inverse permutation
     "pshuffle": "pshuffle",  # inverse permutation
     "all_to_all": "all_to_all",  # split/concat swapped
+    "pcast": None,  # a change of type only
     "pmax": None,  # not linear: subgradient, no communication
     "pmin": None,
     "axis_index": None,
@@ -57,6 +58,9 @@ def _axes(api: str, axis_name) -> tuple:
     )
 
 
+_REDUCING = frozenset({"psum", "pmean", "pcast"})
+
+
 def _operand(api: str, x, axes):
     """(body, ShTensor) for `x`; plain tensors and scalars are invariant values."""
     body = context.body_for_axes(api, axes)
@@ -65,6 +69,11 @@ def _operand(api: str, x, axes):
             raise VmaError(
                 f"{api}: the operand belongs to a different shard_map body than the one binding "
                 f"{fmt_axes(axes)}. Fix: pass the value into the inner shard_map as an argument."
+            )
+        if x._unreduced and api not in _REDUCING:
+            raise VmaError(
+                f"{api}: the operand is unreduced along {fmt_vma(x._unreduced, body.axes)} (a pending sum). "
+                f"Fix: reduce it first with shmap.psum(x, {fmt_axes(body.order(x._unreduced))})."
             )
         return body, x
     if not isinstance(x, torch.Tensor):
@@ -123,7 +132,10 @@ def psum(x, axis_name):
     body, x = _operand("psum", x, axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum(phys, x._paxes, axes, body, x.shape, not body.check_vma)
-    return _out(out, paxes, x._vma - set(axes), body)
+    res = _out(out, paxes, x._vma - set(axes), body)
+    if x._unreduced:  # psum over an unreduced axis is that pending sum's reduction
+        res._unreduced = x._unreduced - set(axes)
+    return res
 
 
 # pmean: V{A} -> I{A}                        transpose: pvary, scaled
@@ -178,6 +190,42 @@ def pvary(x, axis_name):
         return x
     out, paxes = body.backend.pvary(x._phys, x._paxes, mesh_order(added, body), body, x.shape)
     return _out(out, paxes, x._vma | set(axes), body)
+
+
+# --------------------------------------------------------------------------
+# pcast: V{A} -> U{A} (to='unreduced'), I{A} -> V{A} (to='varying')
+#                                           transpose: no communication
+# --------------------------------------------------------------------------
+def pcast(x, axis_name, *, to):
+    """Change how a value relates to the devices of `axis_name` without communicating.
+
+    - `to='varying'`: `pvary`.
+    - `to='unreduced'`: declare a varying value a *pending sum*: its logical
+      value is the sum of the per-device values.  Only ops linear in it are
+      allowed afterwards; `psum` performs the sum, and `out_specs`
+      `P(..., unreduced={...})` returns it pending (a `Partial` DTensor on the
+      distributed mesh).  This fuses reductions: psum a sum, not sum psums.
+    """
+    if to == "varying":
+        return pvary(x, axis_name)
+    if to != "unreduced":
+        raise CollectiveArgumentError(
+            f"pcast: to must be 'varying' or 'unreduced', got {to!r}. Fix: e.g. pcast(x, 'i', to='unreduced')."
+        )
+    axes = _axes("pcast", axis_name)
+    body, x = _operand("pcast", x, axes)
+    if not body.check_vma:
+        raise VmaError("pcast(to='unreduced') needs typed values. Fix: use shard_map(..., check_vma=True).")
+    missing = [a for a in axes if a not in x._vma or a in x._unreduced]
+    if missing:
+        why = "already unreduced" if missing[0] in x._unreduced else "invariant"
+        raise VmaError(
+            f"pcast(to='unreduced'): the value is {why} along {missing[0]!r} (mesh {body.describe()}); "
+            "an unreduced value's logical value is the sum of its per-device values, so only a varying value "
+            f"can become one (an invariant x would mean {body.sizes[missing[0]]}*x). "
+            "Fix: pcast a varying value, or shmap.pvary it first if the multiple is intended."
+        )
+    return ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | frozenset(axes))
 
 
 # --------------------------------------------------------------------------

@@ -25,9 +25,9 @@ class PartitionSpec:
     pytree of `in_specs`.
     """
 
-    __slots__ = ("_entries", "_dims", "_axes", "_hash")
+    __slots__ = ("_entries", "_dims", "_axes", "_hash", "unreduced")
 
-    def __init__(self, *entries):
+    def __init__(self, *entries, unreduced=frozenset()):
         norm = []
         for e in entries:
             if isinstance(e, list):
@@ -46,7 +46,9 @@ class PartitionSpec:
         trimmed = list(self._entries)
         while trimmed and trimmed[-1] is None:
             trimmed.pop()
-        self._hash = hash(tuple(trimmed))
+        #: mesh axes along which the value is a pending sum (JAX's `unreduced`)
+        self.unreduced = frozenset({unreduced} if isinstance(unreduced, str) else unreduced)
+        self._hash = hash((tuple(trimmed), self.unreduced))
 
     def __iter__(self):
         return iter(self._entries)
@@ -65,13 +67,16 @@ class PartitionSpec:
             a.pop()
         while b and b[-1] is None:
             b.pop()
-        return a == b
+        return a == b and self.unreduced == other.unreduced
 
     def __hash__(self):
         return self._hash
 
     def __repr__(self):
-        return "P(" + ", ".join(repr(e) for e in self._entries) + ")"
+        parts = [repr(e) for e in self._entries]
+        if self.unreduced:
+            parts.append("unreduced={" + ", ".join(repr(a) for a in sorted(self.unreduced)) + "}")
+        return "P(" + ", ".join(parts) + ")"
 
     def dim_axes(self, d: int) -> tuple[AxisName, ...]:
         """The mesh axes splitting tensor dimension `d` (empty if none)."""

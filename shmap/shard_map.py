@@ -279,6 +279,18 @@ def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split)
                     f"and {d}); a mesh axis may split at most one dimension. Fix: mention {a!r} once."
                 )
             seen[a] = d
+    for a in spec.unreduced:
+        if a not in mesh.shape or a not in manual:
+            raise SpecError(
+                f"shard_map({fname}) {path}: {spec} is unreduced along {a!r}, which is not a manual axis of mesh "
+                f"{mesh.describe()} (manual: {manual}). Fix: use one of those axes."
+            )
+        if a in seen:
+            raise SpecError(
+                f"shard_map({fname}) {path}: {spec} both splits dimension {seen[a]} over {a!r} and is unreduced "
+                f"along it; a pending sum over {a!r} is the same block on every device of {a!r}. "
+                f"Fix: drop {a!r} from one of them."
+            )
     if len(spec) > len(shape):
         raise SpecError(
             f"shard_map({fname}) {path}: {spec} has {len(spec)} entries but {what} has rank {len(shape)} "
@@ -323,6 +335,12 @@ def _enter(path, value, spec, body, mesh, fname, what):
         value = value.to(mesh.device)
     phys, paxes = body.backend.split(value, spec, body)
     phys, paxes, vma_ = body.backend.input_value(phys, paxes, body)
+    if spec.unreduced:
+        if not body.check_vma:
+            raise SpecError(f"shard_map({fname}) {path}: unreduced in_specs need check_vma=True.")
+        axes = body.order(spec.unreduced)
+        phys, paxes = body.backend.unreduced_input(phys, paxes, axes, body)
+        return ShTensor(phys, paxes, vma_ | spec.unreduced, body, spec.unreduced)
     return ShTensor(phys, paxes, vma_, body)
 
 
@@ -344,12 +362,15 @@ def _exit(path, value, spec, body, mesh, fname):
             "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
         )
     _check_spec(spec, path, x.shape, mesh, body.axes, fname, what="the output", split=False)
+    if x._unreduced != spec.unreduced:
+        raise VmaError(_unreduced_mismatch(fname, path, spec, x, body))
+    varying = x._vma - x._unreduced
     if body.check_vma:
         named = set(spec.axes())
-        extra = [a for a in body.axes if a in x._vma and a not in named]
+        extra = [a for a in body.axes if a in varying and a not in named]
         if extra:
             raise VmaError(
-                f"shard_map({fname}) {path}: the output varies along {fmt_vma(x._vma, body.axes)} but its spec "
+                f"shard_map({fname}) {path}: the output varies along {fmt_vma(varying, body.axes)} but its spec "
                 f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
                 f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
                 f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
@@ -357,6 +378,11 @@ def _exit(path, value, spec, body, mesh, fname):
                 f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
             )
     phys, paxes, vma_ = x._phys, x._paxes, x._vma
+    if x._unreduced:
+        # The caller gets the logical value: the simulated mesh sums the pending terms here;
+        # a distributed backend may hand them over as a Partial DTensor instead.
+        phys, paxes = body.backend.unreduced_output(phys, paxes, body.order(x._unreduced), body)
+        vma_ = varying
     if body.check_vma:
         tiled = body.order(frozenset(a for a in spec.axes() if a not in vma_))
         if tiled:
@@ -368,6 +394,22 @@ def _exit(path, value, spec, body, mesh, fname):
     if not body.backend.batched:
         paxes = body.order(vma_)
     return body.backend.assemble(phys, paxes, spec, body, x.shape)
+
+
+def _unreduced_mismatch(fname, path, spec, x, body):
+    if x._unreduced and not spec.unreduced:
+        return (
+            f"shard_map({fname}) {path}: the output is unreduced along {fmt_vma(x._unreduced, body.axes)} (a pending "
+            f"sum) but its spec {spec} does not say so. Fix: reduce it in the body with "
+            f"`shmap.psum(y, {_axes_lit(body.order(x._unreduced))})`, or return it pending with "
+            f"P(..., unreduced={set(body.order(x._unreduced))})."
+        )
+    return (
+        f"shard_map({fname}) {path}: its spec {spec} says the output is unreduced along "
+        f"{fmt_vma(spec.unreduced, body.axes)} but the value is unreduced along "
+        f"{fmt_vma(x._unreduced, body.axes) if x._unreduced else 'no axes'}. Fix: make the spec's unreduced set "
+        "match, or use shmap.pcast(y, axes, to='unreduced') in the body."
+    )
 
 
 def _axes_lit(axes):

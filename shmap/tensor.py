@@ -35,7 +35,7 @@ from torch._C._functorch import (
     _vmap_increment_nesting,
 )
 
-from . import batching, comm
+from . import batching, comm, unreduced
 from .errors import VmaError, fmt_vma, varying_control_flow
 
 
@@ -108,15 +108,16 @@ class ShTensor(torch.Tensor):
     """A per-device value inside a shard_map body (simulated mesh)."""
 
     @staticmethod
-    def __new__(cls, phys, paxes, vma, body):
+    def __new__(cls, phys, paxes, vma, body, unreduced=frozenset()):
         r = torch.Tensor._make_wrapper_subclass(
             cls, phys.shape[len(paxes):], dtype=phys.dtype, device=phys.device, requires_grad=False
         )
         r._phys = phys
         r._paxes = paxes
-        r._vma = vma
+        r._vma = vma  # every axis the per-device data may differ along (unreduced ones included)
         r._body = body
         r._lifts = None
+        r._unreduced = unreduced  # the subset of _vma along which the value is a pending sum
         return r
 
     @classmethod
@@ -141,10 +142,19 @@ def wrap(phys, paxes, vma, body) -> ShTensor:
 
 
 def vma(x) -> frozenset:
-    """The set of mesh axes along which `x` may vary (empty for invariant values)."""
+    """The set of mesh axes along which `x` may vary (empty for invariant values).
+
+    Axes along which `x` is unreduced (see `unreduced_axes`) are not included,
+    as in JAX's types.
+    """
     if isinstance(x, ShTensor):
-        return x._vma
+        return x._vma - x._unreduced if x._unreduced else x._vma
     return frozenset()
+
+
+def unreduced_axes(x) -> frozenset:
+    """The mesh axes along which `x` is unreduced: a pending sum over their devices."""
+    return x._unreduced if isinstance(x, ShTensor) else frozenset()
 
 
 # --------------------------------------------------------------------------
@@ -229,6 +239,7 @@ def _dispatch(func, args, kwargs):
     body = None
     union = frozenset()
     tensor_idx = []
+    pending = False
     for k, leaf in enumerate(leaves):
         if isinstance(leaf, ShTensor):
             b = leaf._body
@@ -239,6 +250,7 @@ def _dispatch(func, args, kwargs):
                     _bad_body(func, body, b)
             union = union | leaf._vma
             tensor_idx.append(k)
+            pending = pending or bool(leaf._unreduced)
         elif isinstance(leaf, torch.Tensor):
             tensor_idx.append(k)
 
@@ -260,6 +272,10 @@ def _dispatch(func, args, kwargs):
             f"{_fname(func)}: got shard_map body values inside an argument structure shmap cannot "
             "traverse. Fix: pass tensors directly or in lists, tuples or dicts."
         )
+    out_unreduced = frozenset()
+    if pending:
+        has_number = any(isinstance(v, (int, float, complex)) and not isinstance(v, bool) for v in args[1:])
+        out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number)
     out_paxes = body.order(union) if body.backend.batched else ()
     batched = []
     for k in tensor_idx:
@@ -278,7 +294,7 @@ def _dispatch(func, args, kwargs):
         if isinstance(self_val, ShTensor):
             self_val._lifts = None
         return self_val
-    return _wrap_out(out, out_paxes, union, body)
+    return _wrap_out(out, out_paxes, union, body, out_unreduced)
 
 
 def _bad_body(func, body, b):
@@ -373,15 +389,15 @@ def _run_batched(func, leaves, treedef, batched, out_paxes, body):
             _vmap_decrement_nesting()
 
 
-def _wrap_out(out, paxes, vma_, body):
+def _wrap_out(out, paxes, vma_, body, unreduced_=frozenset()):
     if isinstance(out, torch.Tensor):
-        return ShTensor(out, paxes, vma_, body)
+        return ShTensor(out, paxes, vma_, body, unreduced_)
     if body is None:
         return out
     leaves, treedef = optree.tree_flatten(out, none_is_leaf=True)
     if not any(isinstance(o, torch.Tensor) for o in leaves):
         return out
-    leaves = [ShTensor(o, paxes, vma_, body) if isinstance(o, torch.Tensor) else o for o in leaves]
+    leaves = [ShTensor(o, paxes, vma_, body, unreduced_) if isinstance(o, torch.Tensor) else o for o in leaves]
     return optree.tree_unflatten(treedef, leaves)
 
 

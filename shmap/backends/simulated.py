@@ -94,6 +94,21 @@ class Simulated:
             phys = expand_to(phys, paxes, full, body.sizes)
         return phys, full, frozenset(full)
 
+    def unreduced_input(self, phys, paxes, axes, body):
+        """A global value as a pending sum along `axes`: device 0 holds it, the others zeros."""
+        for a in axes:
+            paxes = mesh_order(set(paxes) | {a}, body)
+            d = paxes.index(a)
+            zeros = phys.new_zeros(phys.shape[:d] + (body.sizes[a] - 1,) + phys.shape[d:])
+            phys = torch.cat([phys.unsqueeze(d), zeros], d)
+        return phys, paxes
+
+    def unreduced_output(self, phys, paxes, axes, body):
+        """The logical value of a pending sum: the sum of its terms (no collective is recorded:
+        the caller, not the program, asked for it)."""
+        dims = [paxes.index(a) for a in axes]
+        return phys.sum(dims), tuple(a for a in paxes if a not in axes)
+
     # ------------------------------------------------------------------
     # Automatic pvary: a physical no-op (see tensor.py)
     # ------------------------------------------------------------------

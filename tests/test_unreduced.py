@@ -1,0 +1,114 @@
+"""Unreduced values (pending sums): creation, linear ops, reduction, boundaries, and errors."""
+import pytest
+import torch
+
+import shmap
+from shmap import P
+
+torch.set_default_dtype(torch.float64)
+MESH = shmap.make_mesh((4,), ("i",))
+
+
+def sm(f, i, o, mesh=MESH):
+    return shmap.shard_map(f, mesh=mesh, in_specs=i, out_specs=o)
+
+
+def test_gradient_accumulation_psums_once_instead_of_per_microbatch():
+    """Summing K pending per-device gradients and reducing once: 1 psum, not K."""
+    x = torch.randn(4 * 6, 3)
+    w = torch.randn(3, requires_grad=True)
+
+    def accumulate(xb, wb, pending):
+        total = None
+        for mb in xb.chunk(3):  # three micro-batches per device
+            g = 2 * mb.T @ (mb @ wb)  # this device's gradient of |mb @ w|^2 on the micro-batch
+            g = shmap.pcast(g, "i", to="unreduced") if pending else shmap.psum(g, "i")
+            total = g if total is None else total + g
+        return shmap.psum(total, "i") if pending else total
+
+    expect = 2 * x.T @ (x @ w)
+    for pending, psums in ((True, 1), (False, 3)):
+        with shmap.comm_log() as log:
+            out = sm(lambda a, b: accumulate(a, b, pending), (P("i"), P()), P())(x, w)
+        torch.testing.assert_close(out, expect)
+        assert log.count("psum") == psums
+
+
+def test_types_and_linear_ops():
+    seen = {}
+
+    def body(a, s):
+        u = shmap.pcast(a, "i", to="unreduced")
+        seen["u"] = (shmap.vma(u), shmap.unreduced_axes(u))
+        v = (u * 2 + u).reshape(-1)[:2] @ s  # linear in u; s is invariant
+        seen["v"] = shmap.unreduced_axes(v)
+        r = shmap.psum(v, "i")
+        seen["r"] = (shmap.vma(r), shmap.unreduced_axes(r))
+        return r
+
+    a = torch.randn(4 * 2, 3)
+    s = torch.randn(2)
+    out = sm(body, (P("i"), P()), P())(a, s)
+    assert seen == {"u": (frozenset(), {"i"}), "v": {"i"}, "r": (frozenset(), frozenset())}
+    total = sum(a.chunk(4))
+    torch.testing.assert_close(out, 3 * total.reshape(-1)[:2] @ s)
+
+
+def test_unreduced_output_returns_the_logical_value_and_its_gradient():
+    a = torch.randn(8, 3, requires_grad=True)
+    f = sm(lambda v: shmap.pcast(v * 2, "i", to="unreduced"), P("i"), P(None, unreduced={"i"}))
+    with shmap.comm_log() as log:
+        out = f(a)
+    assert log.count() == 0  # nothing communicated inside the program
+    torch.testing.assert_close(out, 2 * sum(a.chunk(4)))
+    ct = torch.randn(2, 3)
+    (g,) = torch.autograd.grad(out, a, ct)
+    torch.testing.assert_close(g, 2 * ct.repeat(4, 1))
+
+
+def test_unreduced_input_is_a_pending_sum_of_the_global_value():
+    x = torch.randn(3)
+    seen = []
+
+    def body(v):
+        seen.append(shmap.unreduced_axes(v))
+        return shmap.psum(v, "i")
+
+    out = sm(body, P(unreduced={"i"}), P())(x)
+    assert seen == [{"i"}]
+    torch.testing.assert_close(out, x)
+
+
+@pytest.mark.parametrize("op,match", [
+    (lambda u, a: torch.exp(u), "does not commute"),
+    (lambda u, a: u + 1.0, "once per device"),
+    (lambda u, a: u + a, "once per device"),
+    (lambda u, a: u * a, "not linear in the pending sum"),
+    (lambda u, a: a / u, "dividing by a value unreduced"),
+    (lambda u, a: shmap.all_gather(u, "i"), "reduce it first"),
+])
+def test_nonlinear_uses_are_errors(op, match):
+    def body(a):
+        u = shmap.pcast(a, "i", to="unreduced")
+        return shmap.psum(op(u, a), "i")
+
+    with pytest.raises(shmap.VmaError, match=match):
+        sm(body, P("i"), P())(torch.randn(8))
+
+
+def test_boundary_errors():
+    with pytest.raises(shmap.VmaError, match="does not say so"):
+        sm(lambda a: shmap.pcast(a, "i", to="unreduced"), P("i"), P())(torch.randn(8))
+    with pytest.raises(shmap.VmaError, match="says the output is unreduced"):
+        sm(lambda a: shmap.psum(a, "i"), P("i"), P(unreduced={"i"}))(torch.randn(8))
+    with pytest.raises(shmap.SpecError, match="both splits"):
+        sm(lambda a: a, P("i", unreduced={"i"}), P("i"))(torch.randn(8))
+    with pytest.raises(shmap.VmaError, match="invariant"):
+        sm(lambda a: shmap.pcast(a, "i", to="unreduced"), P(), P(unreduced={"i"}))(torch.randn(8))
+    with pytest.raises(shmap.CollectiveArgumentError, match="to must be"):
+        sm(lambda a: shmap.pcast(a, "i", to="reduced"), P("i"), P("i"))(torch.randn(8))
+
+
+def test_partition_spec_unreduced_identity():
+    assert P("i", unreduced={"j"}) != P("i") and P(unreduced="j") == P(None, unreduced={"j"})
+    assert repr(P("i", unreduced={"j"})) == "P('i', unreduced={'j'})"
