@@ -274,7 +274,9 @@ def _dispatch(func, args, kwargs):
         )
     out_unreduced = frozenset()
     if pending:
-        has_number = any(isinstance(v, (int, float, complex)) and not isinstance(v, bool) for v in args[1:])
+        # Adding 0 keeps a sum pending (so `sum(...)` and `total = 0` work); other numbers do not.
+        has_number = any(isinstance(v, (int, float, complex)) and not isinstance(v, bool) and v != 0
+                         for v in args[1:])
         out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number)
     out_paxes = body.order(union) if body.backend.batched else ()
     batched = []

@@ -112,3 +112,12 @@ def test_boundary_errors():
 def test_partition_spec_unreduced_identity():
     assert P("i", unreduced={"j"}) != P("i") and P(unreduced="j") == P(None, unreduced={"j"})
     assert repr(P("i", unreduced={"j"})) == "P('i', unreduced={'j'})"
+
+
+def test_adding_zero_keeps_a_sum_pending():
+    def body(a):
+        u = shmap.pcast(a, "i", to="unreduced")
+        return shmap.psum(sum([u, u]), "i")  # builtin sum starts from 0
+
+    x = torch.randn(8)
+    torch.testing.assert_close(sm(body, P("i"), P())(x), 2 * sum(x.chunk(4)))
