@@ -29,15 +29,27 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from hypothesis import reject, strategies as st
+from hypothesis import HealthCheck, Phase, reject, strategies as st
 
 from reference import axis_tuple, entry_axes, padded_spec, reference_shard_map
 
 AXIS_POOL = ("i", "j", "k")
+
+#: Shared by the generated-case tests: deterministic (derandomize, no example
+#: database) so CI always sees the same cases.  Shrinking is off by default
+#: because a shard_map case costs a JAX compile per attempt and shrinking can
+#: take many minutes; set SHMAP_TEST_SHRINK=1 to get a minimal failing program.
+HYPOTHESIS_SETTINGS = dict(
+    deadline=None, derandomize=True, database=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate]
+    + ([Phase.shrink] if os.environ.get("SHMAP_TEST_SHRINK") else []),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                           HealthCheck.data_too_large])
 MAX_LOCAL_NUMEL = 96  # keeps every generated case fast (and shrinks well)
 
 
@@ -166,10 +178,6 @@ def _shmap():
     return shmap
 
 
-def _same(shape, vma):
-    return shape, vma
-
-
 def _check_not_mixed(vma, axes, what):
     axes = set(axis_tuple(axes))
     if axes & vma and not axes <= vma:
@@ -279,9 +287,28 @@ def _infer_add_index(sizes, x, axes):
     return x[0], x[1] | set(axis_tuple(axes))
 
 
+def _jax_all_to_all(x, axes, split_axis, concat_axis, tiled):
+    """JAX 0.10.2 cannot differentiate an untiled all_to_all whose split and
+    concat axes differ (the transpose builds a cotangent of the wrong shape),
+    so spell it as the equivalent split == concat all_to_all plus a moveaxis.
+    test_reference pins both the equivalence and the JAX limitation."""
+    if tiled or split_axis == concat_axis:
+        return _lax().all_to_all(x, axes, split_axis, concat_axis, tiled=tiled)
+    y = _lax().all_to_all(x, axes, split_axis, split_axis, tiled=False)
+    return _jnp().moveaxis(y, split_axis, concat_axis)
+
+
 def _per_device(fn):
     """Lift a per-device numpy function of k operands to lockstep lists."""
     return lambda mesh, *lists, **kw: [fn(*vals, **kw) for vals in zip(*lists)]
+
+
+def _lax_call(name):
+    return lambda x, axes, **kw: getattr(_lax(), name)(x, axes, **kw)
+
+
+def _shmap_call(name):
+    return lambda x, axes, **kw: getattr(_shmap(), name)(x, axes, **kw)
 
 
 def _coll(name):
@@ -296,7 +323,7 @@ def _ref_add_index(mesh, x, axes):
 
 OPS: dict[str, OpDef] = {op.name: op for op in [
     # -- local ops ---------------------------------------------------------
-    OpDef("sin", lambda s, x: _same(*x),
+    OpDef("sin", lambda sizes, x: x,
           lambda x: _jnp().sin(x), lambda x: _torch().sin(x),
           _per_device(np.sin)),
     OpDef("add", _infer_binary, lambda x, y: x + y, lambda x, y: x + y,
@@ -313,50 +340,25 @@ OPS: dict[str, OpDef] = {op.name: op for op in [
           lambda x, axes: x * _lax().axis_size(axes) + _lax().axis_index(axes),
           lambda x, axes: x * _shmap().axis_size(axes) + _shmap().axis_index(axes),
           _ref_add_index),
-    # -- collectives -------------------------------------------------------
-    OpDef("psum", _infer_reduce(strict=True),
-          lambda x, axes: _lax().psum(x, axes),
-          lambda x, axes: _shmap().psum(x, axes), _coll("psum")),
-    OpDef("pmean", _infer_reduce(strict=True),
-          lambda x, axes: _lax().pmean(x, axes),
-          lambda x, axes: _shmap().pmean(x, axes), _coll("pmean")),
-    OpDef("pmax", _infer_reduce(strict=False),
-          lambda x, axes: _lax().pmax(x, axes),
-          lambda x, axes: _shmap().pmax(x, axes), _coll("pmax"), differentiable=False),
-    OpDef("pmin", _infer_reduce(strict=False),
-          lambda x, axes: _lax().pmin(x, axes),
-          lambda x, axes: _shmap().pmin(x, axes), _coll("pmin"), differentiable=False),
+    # -- collectives: same name and signature in jax.lax and shmap ----------
+    *(OpDef(name, infer, _lax_call(name), _shmap_call(name), _coll(name),
+            differentiable=name not in ("pmax", "pmin"))  # JAX: no derivative
+      for name, infer in [("psum", _infer_reduce(strict=True)),
+                          ("pmean", _infer_reduce(strict=True)),
+                          ("pmax", _infer_reduce(strict=False)),
+                          ("pmin", _infer_reduce(strict=False)),
+                          ("all_gather", _infer_all_gather),
+                          ("psum_scatter", _infer_psum_scatter),
+                          ("ppermute", _infer_ppermute),
+                          ("pshuffle", _infer_pshuffle)]),
+    # -- collectives spelled differently in JAX 0.10.2 ----------------------
     OpDef("pvary", _infer_pvary,
           lambda x, axes: _lax().pcast(x, axes, to="varying"),
-          lambda x, axes: _shmap().pvary(x, axes),
-          lambda mesh, x, axes: [v.copy() for v in x]),
-    OpDef("all_gather", _infer_all_gather,
-          lambda x, axes, axis, tiled: _lax().all_gather(x, axes, axis=axis, tiled=tiled),
-          lambda x, axes, axis, tiled: _shmap().all_gather(x, axes, axis=axis, tiled=tiled),
-          _coll("all_gather")),
+          _shmap_call("pvary"), lambda mesh, x, axes: [v.copy() for v in x]),
     OpDef("all_gather_invariant", _infer_all_gather_invariant,
-          lambda x, axes, axis, tiled: _lax().all_gather(x, axes, axis=axis, tiled=tiled,
-                                                         to="invarying"),
-          lambda x, axes, axis, tiled: _shmap().all_gather_invariant(x, axes, axis=axis,
-                                                                     tiled=tiled),
-          _coll("all_gather_invariant")),
-    OpDef("psum_scatter", _infer_psum_scatter,
-          lambda x, axes, scatter_dimension, tiled: _lax().psum_scatter(
-              x, axes, scatter_dimension=scatter_dimension, tiled=tiled),
-          lambda x, axes, scatter_dimension, tiled: _shmap().psum_scatter(
-              x, axes, scatter_dimension=scatter_dimension, tiled=tiled),
-          _coll("psum_scatter")),
-    OpDef("ppermute", _infer_ppermute,
-          lambda x, axes, perm: _lax().ppermute(x, axes, perm),
-          lambda x, axes, perm: _shmap().ppermute(x, axes, perm), _coll("ppermute")),
-    OpDef("pshuffle", _infer_pshuffle,
-          lambda x, axes, perm: _lax().pshuffle(x, axes, perm),
-          lambda x, axes, perm: _shmap().pshuffle(x, axes, perm), _coll("pshuffle")),
-    OpDef("all_to_all", _infer_all_to_all,
-          lambda x, axes, split_axis, concat_axis, tiled: _lax().all_to_all(
-              x, axes, split_axis, concat_axis, tiled=tiled),
-          lambda x, axes, split_axis, concat_axis, tiled: _shmap().all_to_all(
-              x, axes, split_axis, concat_axis, tiled=tiled),
+          lambda x, axes, **kw: _lax().all_gather(x, axes, to="invarying", **kw),
+          _shmap_call("all_gather_invariant"), _coll("all_gather_invariant")),
+    OpDef("all_to_all", _infer_all_to_all, _jax_all_to_all, _shmap_call("all_to_all"),
           _coll("all_to_all")),
 ]}
 
@@ -368,19 +370,44 @@ LOCAL_OPS = ("sin", "add", "mul", "matmul", "sum", "add_index")
 # ----------------------------------------------------------------------------
 # Renderers
 # ----------------------------------------------------------------------------
-def _run_steps(program: Program, impl: Callable, inputs):
+def _run_steps(program: Program, impl: Callable, inputs, typeof=None):
+    """Evaluate the steps; with ``typeof(value) -> (shape, vma)``, also check
+    every value's per-device shape and varying axes against ``program.types()``."""
     env = dict(zip((i.name for i in program.inputs), inputs))
+    expected = program.types() if typeof else {}
+
+    def check(name):
+        if typeof:
+            got = typeof(env[name])
+            want = (expected[name][0], set(expected[name][1]))
+            assert (tuple(got[0]), set(got[1])) == want, \
+                f"{name}: (shape, vma) is {got}, typing rule says {want}\n{program}"
+
+    for inp in program.inputs:
+        check(inp.name)
     for s in program.steps:
         env[s.out] = impl(s)(*(env[a] for a in s.args), **s.params)
+        check(s.out)
     return tuple(env[name] for name, _ in program.outputs)
 
 
-def render_jax_body(program: Program) -> Callable:
-    return lambda *xs: _run_steps(program, lambda s: OPS[s.op].jax, xs)
+def jax_typeof(x):
+    import jax
+    return x.shape, jax.typeof(x).mat.varying
 
 
-def render_torch_body(program: Program) -> Callable:
-    return lambda *xs: _run_steps(program, lambda s: OPS[s.op].torch, xs)
+def shmap_typeof(x):
+    return x.shape, _shmap().vma(x)
+
+
+def render_jax_body(program: Program, check_types=False) -> Callable:
+    return lambda *xs: _run_steps(program, lambda s: OPS[s.op].jax, xs,
+                                  jax_typeof if check_types else None)
+
+
+def render_torch_body(program: Program, check_types=False) -> Callable:
+    return lambda *xs: _run_steps(program, lambda s: OPS[s.op].torch, xs,
+                                  shmap_typeof if check_types else None)
 
 
 def render_reference(program: Program) -> Callable:
@@ -395,20 +422,21 @@ def reference_fn(program: Program) -> Callable:
                                program.axis_names, program.in_specs, program.out_specs)
 
 
-def jax_fn(program: Program, jit: bool = True) -> Callable:
+def jax_fn(program: Program, jit: bool = True, check_types: bool = False) -> Callable:
     """``jax.shard_map`` of the program: ``(*arrays) -> tuple of arrays``."""
     import jax
     from jax_helpers import jax_mesh, jax_spec
-    f = jax.shard_map(render_jax_body(program), mesh=jax_mesh(program.mesh_shape, program.axis_names),
+    f = jax.shard_map(render_jax_body(program, check_types),
+                      mesh=jax_mesh(program.mesh_shape, program.axis_names),
                       in_specs=tuple(jax_spec(s) for s in program.in_specs),
                       out_specs=tuple(jax_spec(s) for s in program.out_specs), check_vma=True)
     return jax.jit(f) if jit else f
 
 
-def shmap_fn(program: Program) -> Callable:
+def shmap_fn(program: Program, check_types: bool = False) -> Callable:
     """``shmap.shard_map`` of the program: ``(*tensors) -> tuple of tensors``."""
     shmap = _shmap()
-    return shmap.shard_map(render_torch_body(program),
+    return shmap.shard_map(render_torch_body(program, check_types),
                            mesh=shmap.make_mesh(program.mesh_shape, program.axis_names),
                            in_specs=tuple(shmap.P(*s) for s in program.in_specs),
                            out_specs=tuple(shmap.P(*s) for s in program.out_specs),
@@ -418,11 +446,6 @@ def shmap_fn(program: Program) -> Callable:
 def random_inputs(program: Program, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(i.global_shape) for i in program.inputs]
-
-
-def random_cotangents(program: Program, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed + 1)
-    return [rng.standard_normal(s) for s in program.output_shapes()]
 
 
 # ----------------------------------------------------------------------------
@@ -530,7 +553,8 @@ class _Builder:
         if op in ("add", "mul"):
             same = [v for v, t in self.types.items() if t[0] == shape]
             # A fresh input usually has a different variance: forces auto-pvary.
-            y = self.new_input(shape) if self.draw(st.booleans()) else self.draw(st.sampled_from(same))
+            fresh = self.draw(st.booleans())
+            y = self.new_input(shape) if fresh else self.draw(st.sampled_from(same))
             return self.emit(op, (x, y), {})
         if op == "matmul":
             if r != 2:
@@ -585,7 +609,8 @@ class _Builder:
         else:
             reduce = ordered  # a scalar cannot name axes: reduce them all
         if reduce:
-            name = self.emit("psum", (name,), {"axes": self.as_arg(tuple(self.draw(st.permutations(reduce))))})
+            axes = tuple(self.draw(st.permutations(reduce)))
+            name = self.emit("psum", (name,), {"axes": self.as_arg(axes)})
             shape, vma = self.types[name]
         named = list(vma)
         if shape:  # optionally tile along invariant axes too

@@ -25,8 +25,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-Entry = "None | str | tuple[str, ...]"
-
 
 def entry_axes(entry) -> tuple[str, ...]:
     """Normalise a spec entry (None / name / tuple of names) to a tuple of names."""
@@ -160,7 +158,7 @@ class RefMesh:
         out = []
         for d in range(self.n_devices):
             k = self.index(d, axes)
-            chunks = [np.split(vals[e], n, axis=split_axis)[k] for e in self.group(d, axes)][::-1]
+            chunks = [np.split(vals[e], n, axis=split_axis)[k] for e in self.group(d, axes)]
             if tiled:
                 out.append(np.concatenate(chunks, axis=concat_axis))
             else:
