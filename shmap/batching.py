@@ -39,6 +39,69 @@ def _nll(logp, target, class_dim, ignore_index, reduction):
     return loss.sum() / valid.sum().to(loss.dtype)
 
 
+def _names(text):
+    return frozenset(text.split())
+
+
+#: Elementwise ops: with operands right-aligned, a leading device dim broadcasts like any other.
+POINTWISE = _names("""
+    add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow neg negative abs
+    exp exp2 expm1 log log2 log10 log1p sqrt rsqrt square sin cos tan sinh cosh tanh asin acos atan atan2
+    sigmoid relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus
+    logsigmoid erf erfc erfinv reciprocal sign clamp clip clamp_min clamp_max minimum maximum where lerp
+    addcmul addcdiv floor ceil round trunc frac logical_not logical_and logical_or logical_xor eq ne lt le
+    gt ge isnan isinf isfinite nan_to_num float double half bfloat16 bitwise_and bitwise_or bitwise_not
+    __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ __rpow__ __neg__
+    __abs__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __invert__ __floordiv__
+    __rfloordiv__ __mod__ __rmod__ __pos__
+""")
+#: Ops on the last dims whose leading (device) dims batch natively.
+MATMUL = _names("matmul __matmul__ mm")
+LINEAR = _names("linear")
+
+
+def direct_ok(func, args, batched, out_paxes) -> bool:
+    """Whether `func` on the physical tensors (device dims leading) equals the batched op.
+
+    `args` are the physical leaves of the call (positional arguments first);
+    `batched` lists (index, paxes)
+    of the operands carrying device dims.  True only when every batched operand
+    carries all of `out_paxes` with the same per-device rank, so numpy-style
+    right-aligned broadcasting lines the device dims up with each other and
+    keeps them clear of the unbatched operands' dims.
+    """
+    name = getattr(func, "__name__", "")
+    k = len(out_paxes)
+    if name in POINTWISE:
+        rank = None
+        for i, p in batched:
+            if p != out_paxes:
+                return False
+            r = args[i].dim() - k
+            if rank is None:
+                rank = r
+            elif r != rank:
+                return False
+        bset = {i for i, _ in batched}
+        for i, a in enumerate(args):
+            if i not in bset and isinstance(a, torch.Tensor) and a.dim() > rank:
+                return False
+        return True
+    if name in MATMUL and len(args) == 2 and len(batched) == 2:  # both vary: matmul's own batch dims
+        return all(p == out_paxes and args[i].dim() - k >= 2 for i, p in batched)
+    if name in MATMUL and len(args) == 2 and len(batched) == 1:
+        (i, p), = batched
+        if p != out_paxes or not isinstance(args[1 - i], torch.Tensor):
+            return False
+        other = args[1 - i]
+        if i == 0:  # [dev..., (m,) k] @ [k(, n)]: device dims are batch dims of matmul
+            return other.dim() in (1, 2) and (name != "mm" or other.dim() == 2)
+        return args[1].dim() - k >= 2 and other.dim() >= 1 and name != "mm"
+    if name in LINEAR and batched and batched[0][0] == 0 and len(batched) == 1 and batched[0][1] == out_paxes:
+        return True
+    return False
+
+
 #: original function -> decomposition returning None when it does not apply
 OVERRIDES = {F.cross_entropy: _cross_entropy, F.nll_loss: _nll_loss}
 

@@ -290,7 +290,11 @@ def _dispatch(func, args, kwargs):
         elif union and not (inplace and leaf is self_val):
             leaves[k] = lift(leaf, union, body)
 
-    out = _run_batched(func, leaves, treedef, batched, out_paxes, body)
+    if batched and not inplace and batching.direct_ok(func, leaves, batched, out_paxes):
+        args, kwargs = _unflatten(treedef, leaves)
+        out = func(*args, **kwargs)  # device dims broadcast like ordinary leading dims: no vmap needed
+    else:
+        out = _run_batched(func, leaves, treedef, batched, out_paxes, body)
 
     if inplace:
         if isinstance(self_val, ShTensor):

@@ -38,3 +38,44 @@ def test_losses_match_torch_without_the_slow_fallback(fn, reduction):
     (g,) = torch.autograd.grad(out.sum(), x)
     (ge,) = torch.autograd.grad(expect.sum(), x)
     torch.testing.assert_close(g, ge)
+
+
+@pytest.mark.parametrize("case", [
+    "vec+mat", "mat+vec", "mat*scalar", "where", "vec@mat", "mat@vec", "mat@mat", "inv@var", "var@var",
+    "linear", "gelu",
+])
+def test_direct_path_matches_a_per_device_loop(case, monkeypatch):
+    """Ops run straight on the physical tensors when broadcasting lines the device dims up;
+    operand ranks that would misalign them must take the batched path. Both must equal a loop."""
+    torch.manual_seed(0)
+    n = 4
+    mesh = shmap.make_mesh((n,), ("i",))
+    a_vec, a_mat = torch.randn(n * 3), torch.randn(n * 2, 3)
+    w_mat, w_vec = torch.randn(3, 5), torch.randn(3)
+    inv_mat = torch.randn(2, 3)
+    cases = {
+        "vec+mat": ((a_vec, inv_mat), (P("i"), P()), lambda x, y: x + y),
+        "mat+vec": ((a_mat, w_vec), (P("i"), P()), lambda x, y: x + y),
+        "mat*scalar": ((a_mat,), (P("i"),), lambda x: x * 3.0 - 1),
+        "where": ((a_mat, w_vec), (P("i"), P()), lambda x, y: torch.where(x > 0, x, y)),
+        "vec@mat": ((a_vec, w_mat), (P("i"), P()), lambda x, y: x @ y),
+        "mat@vec": ((a_mat, w_vec), (P("i"), P()), lambda x, y: x @ y),
+        "mat@mat": ((a_mat, w_mat), (P("i"), P()), lambda x, y: torch.matmul(x, y)),
+        "inv@var": ((inv_mat, torch.randn(n * 3, 4)), (P(), P("i")), lambda x, y: x @ y),
+        "var@var": ((a_mat, torch.randn(n * 3, 4)), (P("i"), P("i")), lambda x, y: x @ y),
+        "linear": ((a_mat, torch.randn(5, 3), torch.randn(5)), (P("i"), P(), P()), F.linear),
+        "gelu": ((a_mat,), (P("i"),), lambda x: F.gelu(x, approximate="tanh")),
+    }
+    args, specs, fn = cases[case]
+    decisions = []
+    original = shmap.batching.direct_ok
+    monkeypatch.setattr(shmap.batching, "direct_ok", lambda *a: decisions.append(original(*a)) or decisions[-1])
+    out = shmap.shard_map(lambda *v: fn(*v)[None], mesh=mesh, in_specs=specs, out_specs=P("i"))(*args)
+    per_dev = []
+    for d in range(n):
+        blk = [a.chunk(n)[d] if s == P("i") else a for a, s in zip(args, specs)]
+        per_dev.append(fn(*blk)[None])
+    torch.testing.assert_close(out, torch.cat(per_dev))
+    # The first op decides: misaligning ranks (a vector plus a matrix, a varying vector on the right)
+    # must not run directly; the aligned cases must.
+    assert decisions[0] == (case not in ("vec+mat",)), decisions
