@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 #: Kinds that move data between devices (what `count()` counts).
 COMMUNICATING = frozenset(
-    {"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_scatter", "ppermute", "all_to_all"}
+    {"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_scatter", "ppermute", "all_to_all",
+     "kernel"}
 )
 
 
