@@ -20,4 +20,4 @@ demo: install
 	$(BIN)/python -m shmap.demo
 
 test: install-test
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests

@@ -35,6 +35,16 @@ from .errors import (
 )
 from .mesh import Mesh, P, PartitionSpec, make_mesh
 from .shard_map import shard_map
+from .backends.watchdog import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistributedError,
+    RankFailedError,
+    configure_distributed,
+)
+from .dtensor import device_put, visualize_sharding
+from .launch import SpawnError, spawn
+from . import kernels  # noqa: E402  (remote copies, semaphores, the verifying interpreter)
 
 __all__ = [
     "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map",
@@ -44,4 +54,7 @@ __all__ = [
     "comm_log", "CommLog", "CommEvent",
     "ShmapError", "SpecError", "VmaError", "UnboundAxisError", "CollectiveShapeError",
     "CollectiveArgumentError", "VaryingControlFlowError",
+    "device_put", "visualize_sharding", "configure_distributed", "spawn",
+    "DistributedError", "RankFailedError", "CollectiveMismatchError", "CollectiveTimeoutError", "SpawnError",
+    "kernels",
 ]

@@ -189,8 +189,8 @@ def _dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-#: (shape, names, world id) -> Mesh: a DeviceMesh creates process groups (a
-#: collective over the world), so the same mesh is built once per process.
+#: (shape, names, device type) -> (world group, Mesh): a DeviceMesh creates
+#: process groups (a collective over the world), so each mesh is built once per world.
 _WORLD_MESHES: dict = {}
 
 
@@ -220,12 +220,12 @@ def _world_mesh(shape, names, device) -> Mesh:
         else:
             device = torch.device("cpu")
     device = torch.device(device)
-    key = (shape, names, device.type, id(dist.group.WORLD))
-    got = _WORLD_MESHES.get(key)
-    if got is None:
+    key = (shape, names, device.type)
+    world_pg, got = _WORLD_MESHES.get(key, (None, None))
+    if got is None or world_pg is not dist.group.WORLD:  # first use, or a new world since
         from torch.distributed.device_mesh import init_device_mesh
 
         dm = init_device_mesh(device.type, shape, mesh_dim_names=names)
         got = Mesh(torch.arange(n).reshape(shape), names, device=device, device_mesh=dm)
-        _WORLD_MESHES[key] = got
+        _WORLD_MESHES[key] = (dist.group.WORLD, got)
     return got

@@ -12,13 +12,16 @@ handshakes ("your slot is free").
 Every function here forwards to the device context of the runtime running the
 kernel (`interpret` or the shared-memory runtime), so the same kernel source
 runs unchanged under both.  A runtime implements `DeviceContext`.
+
+Beyond Pallas: `borrow(ref)` gives a zero-copy view for heavy local compute
+(reads through `ref[...]` are copies, which Python cannot keep in registers).
 """
 from __future__ import annotations
 
 import operator
 from typing import Callable
 
-from .errors import KernelUsageError, capture_site
+from .errors import KernelUsageError
 from .refs import (
     Buffer,
     Ref,
@@ -33,9 +36,11 @@ from .refs import (
 class DeviceContext:
     """What a runtime provides to the kernel API, for one device.
 
-    Methods receive a `site` (the user's source line) so that errors and
-    records can point at the kernel.  `wait` must block until the local
-    semaphore is >= value and then subtract value.
+    Methods are called from inside the kernel's API call, so a runtime that
+    needs the user's source line (for records or errors) gets it with
+    `errors.capture_site()` when it needs it.  `wait` must block until the
+    local semaphore is >= value and then subtract value; its `what` is a
+    zero-argument callable that describes the wait (for messages only).
     """
 
     device: int
@@ -49,16 +54,23 @@ class DeviceContext:
     def write(self, ref: Ref, value) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def start_copy(self, copy: "AsyncCopy", site) -> None:  # pragma: no cover
+    def start_copy(self, copy: "AsyncCopy") -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def wait(self, sem: SemaphoreRef, value: int, what: str, site) -> None:  # pragma: no cover
+    def wait(self, sem: SemaphoreRef, value: int, what) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def signal(self, sem: SemaphoreRef, inc: int, device: int, site) -> None:  # pragma: no cover
+    def signal(self, sem: SemaphoreRef, inc: int, device: int) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def read_semaphore(self, sem: SemaphoreRef) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def borrow(self, ref: Ref, write: bool):  # pragma: no cover
+        """Start a borrow: return a live view of ref's elements."""
+        raise NotImplementedError
+
+    def end_borrow(self, ref: Ref, write: bool, view, token) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def barrier_semaphore(self) -> SemaphoreRef:  # pragma: no cover
@@ -67,7 +79,7 @@ class DeviceContext:
     def alloc_scoped(self, specs: list, names: list) -> list:  # pragma: no cover
         raise NotImplementedError
 
-    def free_scoped(self, refs: list, site, check: bool) -> None:  # pragma: no cover
+    def free_scoped(self, refs: list, check: bool) -> None:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -138,10 +150,10 @@ def _check_sem(sem, kinds, what, arg):
             f"{what}: {arg}={sem.describe()} is a {sem.kind.value} semaphore; it must be {want}"
             + (" (allocate it as SemaphoreType.DMA)" if SemaphoreKind.DMA in kinds else
                " (DMA semaphores are waited through a copy descriptor: .wait_send()/.wait_recv())"))
-    sem.element(f"{what}: {arg}")
+    sem.element(what)
 
 
-def _check_pair(src, dst, what):
+def _check_pair(src, dst, what, remote=False):
     for arg, r in (("src", src), ("dst", dst)):
         if not isinstance(r, Ref):
             raise KernelUsageError(f"{what}: {arg} must be a ref, got {type(r).__name__}")
@@ -153,6 +165,10 @@ def _check_pair(src, dst, what):
         raise KernelUsageError(
             f"{what}: dst {dst.describe()} is a kernel input, and inputs are read-only; "
             "copy into an output or scratch buffer")
+    if remote and dst.info.local:
+        raise KernelUsageError(
+            f"{what}: dst {dst.describe()} is a local buffer (Buffer(..., local=True)), which "
+            "only its own device writes; copy into a shared output or scratch buffer instead")
 
 
 class AsyncCopy:
@@ -164,7 +180,7 @@ class AsyncCopy:
 
     def start(self) -> None:
         """Begin the copy.  Returns at once; the data moves asynchronously."""
-        current_context().start_copy(self, capture_site(2))
+        current_context().start_copy(self)
 
 
 class RemoteCopy(AsyncCopy):
@@ -182,21 +198,24 @@ class RemoteCopy(AsyncCopy):
 
     def wait_send(self) -> None:
         """Block until the whole of src has been read (then src may be overwritten)."""
-        current_context().wait(self.send_sem, self.src.nbytes,
-                               f"wait_send of a copy from {self.src.describe()}", capture_site(2))
+        current_context().wait(self.send_sem, self.src.nbytes, self._what_send)
 
     def wait_recv(self) -> None:
         """Block until dst.nbytes have arrived in dst on this device."""
-        current_context().wait(self.recv_sem, self.dst.nbytes,
-                               f"wait_recv into {self.dst.describe()}", capture_site(2))
+        current_context().wait(self.recv_sem, self.dst.nbytes, self._what_recv)
 
     def wait(self) -> None:
         """wait_send() then wait_recv(): for SPMD kernels where every device sends and receives."""
-        site = capture_site(2)
         ctx = current_context()
-        ctx.wait(self.send_sem, self.src.nbytes,
-                 f"wait_send of a copy from {self.src.describe()}", site)
-        ctx.wait(self.recv_sem, self.dst.nbytes, f"wait_recv into {self.dst.describe()}", site)
+        ctx.wait(self.send_sem, self.src.nbytes, self._what_send)
+        ctx.wait(self.recv_sem, self.dst.nbytes, self._what_recv)
+
+    # Descriptions for messages, built only when a message is (lazily: this is a hot path).
+    def _what_send(self) -> str:
+        return f"wait_send of a copy from {self.src.describe()}"
+
+    def _what_recv(self) -> str:
+        return f"wait_recv into {self.dst.describe()}"
 
     def __repr__(self) -> str:
         return (f"remote_copy({self.src.describe()} -> device {self.target} "
@@ -211,8 +230,10 @@ class LocalCopy(AsyncCopy):
 
     def wait(self) -> None:
         """Block until the copy has finished."""
-        current_context().wait(self.sem, self.dst.nbytes,
-                               f"wait of a local copy into {self.dst.describe()}", capture_site(2))
+        current_context().wait(self.sem, self.dst.nbytes, self._what)
+
+    def _what(self) -> str:
+        return f"wait of a local copy into {self.dst.describe()}"
 
     def __repr__(self) -> str:
         return f"local_copy({self.src.describe()} -> {self.dst.describe()})"
@@ -226,7 +247,7 @@ def remote_copy(src: Ref, dst: Ref, send_sem: SemaphoreRef, recv_sem: SemaphoreR
     the same semaphore) are DMA semaphores; they count bytes.
     """
     what = "remote_copy"
-    _check_pair(src, dst, what)
+    _check_pair(src, dst, what, remote=True)
     _check_sem(send_sem, (SemaphoreKind.DMA,), what, "send_sem")
     _check_sem(recv_sem, (SemaphoreKind.DMA,), what, "recv_sem")
     return RemoteCopy(src, dst, send_sem, recv_sem, _device_arg(device_id, what))
@@ -255,7 +276,7 @@ def semaphore_signal(sem: SemaphoreRef, inc: int = 1, device_id=None) -> None:
         raise KernelUsageError(f"{what}: inc must be >= 0, got {inc}")
     ctx = current_context()
     target = ctx.device if device_id is None else _device_arg(device_id, what)
-    ctx.signal(sem, inc, target, capture_site(2))
+    ctx.signal(sem, inc, target)
 
 
 def semaphore_wait(sem: SemaphoreRef, value: int = 1) -> None:
@@ -265,8 +286,7 @@ def semaphore_wait(sem: SemaphoreRef, value: int = 1) -> None:
     value = operator.index(value)
     if value < 0:
         raise KernelUsageError(f"{what}: value must be >= 0, got {value}")
-    current_context().wait(sem, value, f"semaphore_wait({sem.describe()}, {value})",
-                           capture_site(2))
+    current_context().wait(sem, value, lambda: f"semaphore_wait({sem.describe()}, {value})")
 
 
 def semaphore_read(sem: SemaphoreRef) -> int:
@@ -280,6 +300,47 @@ def semaphore_read(sem: SemaphoreRef) -> int:
 def get_barrier_semaphore() -> SemaphoreRef:
     """The kernel's BARRIER semaphore: one per device, signalled by peers to rendezvous."""
     return current_context().barrier_semaphore()
+
+
+# ---------------------------------------------------------------------------
+# Zero-copy access (beyond Pallas: Python has no registers to load into).
+
+
+class borrow:
+    """`with borrow(ref) as t:` -- t is a live view of ref's elements, not a copy.
+
+    `ref[...]` returns a copy (a value), which for large local reductions costs
+    a full extra pass over memory.  A borrow is a zero-copy alternative: for
+    race detection it counts as an access (a read, or a write with
+    `write=True`) that lasts for the whole `with` block, so it must not
+    overlap any unsynchronised access by a peer or copy.  Do not write through
+    a read borrow (the interpreter checks), and do not keep `t` after the
+    block.  Inputs cannot be borrowed for writing.
+
+        with borrow(inbox) as parts, borrow(o_ref.at[me], write=True) as out:
+            torch.sum(parts, 0, out=out)
+    """
+
+    __slots__ = ("ref", "write", "ctx", "view", "token")
+
+    def __init__(self, ref: Ref, write: bool = False):
+        if not isinstance(ref, Ref):
+            raise KernelUsageError(f"borrow: expected a ref, got {type(ref).__name__}")
+        if write and ref.info.readonly:
+            raise KernelUsageError(
+                f"borrow({ref.describe()}, write=True): kernel inputs are read-only")
+        self.ref, self.write = ref, write
+
+    def __enter__(self):
+        self.ctx = current_context()
+        self.view, self.token = self.ctx.borrow(self.ref, self.write)
+        return self.view
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.ctx.end_borrow(self.ref, self.write, self.view, self.token)
+        self.view = self.token = None
+        return False
 
 
 # ---------------------------------------------------------------------------
@@ -300,13 +361,12 @@ def run_scoped(fn: Callable, *specs, **named_specs):
     norm = [s if isinstance(s, SemaphoreSpec) else as_buffer(s, f"run_scoped {n}")
             for s, n in zip(all_specs, names)]
     refs = ctx.alloc_scoped(norm, names)
-    site = capture_site(2)
     try:
         result = fn(*refs[:len(specs)], **dict(zip(named_specs, refs[len(specs):])))
     except BaseException:
-        ctx.free_scoped(refs, site, check=False)  # do not mask the real error
+        ctx.free_scoped(refs, check=False)  # do not mask the real error
         raise
-    ctx.free_scoped(refs, site, check=True)
+    ctx.free_scoped(refs, check=True)
     return result
 
 
@@ -315,5 +375,5 @@ __all__ = [
     "device_id", "num_devices", "program_id", "num_programs",
     "remote_copy", "local_copy",
     "semaphore_signal", "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
-    "run_scoped",
+    "run_scoped", "borrow",
 ]

@@ -24,10 +24,10 @@ from ..errors import ShmapError
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _RUNTIME_FILES = frozenset(
     os.path.join(_HERE, name)
-    for name in ("errors.py", "refs.py", "api.py", "races.py", "interpreter.py",
-                 "shm.py", "group.py")
+    for name in ("errors.py", "refs.py", "api.py", "common.py", "races.py", "interpreter.py",
+                 "segments.py", "shm.py", "group.py")
 )
-_THREADING = os.path.dirname(os.path.abspath(__import__("threading").__file__))
+_CONTEXTLIB = os.path.abspath(__import__("contextlib").__file__)
 
 
 class KernelError(ShmapError):
@@ -96,17 +96,25 @@ class Site:
 UNKNOWN_SITE = Site("<unknown>", 0, "?")
 
 
+_runtime_cache: dict = {}
+
+
 def _is_runtime(filename: str) -> bool:
-    return filename in _RUNTIME_FILES or filename.startswith(_THREADING)
+    hit = _runtime_cache.get(filename)
+    if hit is None:
+        path = os.path.abspath(filename)
+        hit = _runtime_cache[filename] = (path in _RUNTIME_FILES or path == _CONTEXTLIB
+                                          or filename == "<string>")
+    return hit
 
 
 def capture_site(skip: int = 1) -> Site:
-    """The innermost frame of the caller's stack that is user code."""
+    """The innermost frame of the caller's stack that is user code (cheap: a hot path)."""
     frame = sys._getframe(skip)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not _is_runtime(os.path.abspath(filename)) and filename != "<string>":
-            return Site(filename, frame.f_lineno, frame.f_code.co_name)
+        code = frame.f_code
+        if not _is_runtime(code.co_filename):
+            return Site(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return UNKNOWN_SITE
 
@@ -116,7 +124,7 @@ def site_from_traceback(tb) -> Site:
     best = UNKNOWN_SITE
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not _is_runtime(os.path.abspath(filename)):
+        if not _is_runtime(filename):
             best = Site(filename, tb.tb_lineno, tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
     return best

@@ -22,7 +22,6 @@ that reads before writing shows it instead of passing on lucky zeros.
 from __future__ import annotations
 
 import collections
-import inspect
 import itertools
 import random
 import threading
@@ -31,7 +30,15 @@ from typing import Callable, Sequence
 import torch
 
 from . import races
-from .api import DeviceContext, LocalCopy, RemoteCopy
+from .api import DeviceContext, RemoteCopy
+from .common import (
+    check_kernel_arity,
+    fit_value,
+    kernel_param_names,
+    normalize_inputs,
+    poison_,
+    same_outputs,
+)
 from .errors import (
     DataRaceError,
     DeadlockError,
@@ -61,66 +68,6 @@ from .refs import (
 
 class _Cancelled(BaseException):
     """Raised inside a device thread to unwind it when the run is aborted."""
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill with a value that makes reads of never-written memory visible."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        return t.fill_(float("nan"))
-    if t.dtype == torch.bool:
-        return t.fill_(False)
-    return t.fill_(torch.iinfo(t.dtype).min)
-
-
-def kernel_param_names(kernel: Callable, count: int) -> list[str] | None:
-    """Names of the kernel's first `count` positional parameters, for messages."""
-    try:
-        params = list(inspect.signature(kernel).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    names = []
-    for p in params:
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            names.append(p.name)
-        elif p.kind == p.VAR_POSITIONAL:
-            names += [f"{p.name}[{i}]" for i in range(count - len(names))]
-    return names[:count] if len(names) >= count else None
-
-
-def check_kernel_arity(kernel, n_in, n_out, n_scratch) -> None:
-    total = n_in + n_out + n_scratch
-    try:
-        sig = inspect.signature(kernel)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(*range(total))
-    except TypeError:
-        raise KernelUsageError(
-            f"kernel {getattr(kernel, '__name__', kernel)!r} is called with {total} refs "
-            f"({n_in} inputs, {n_out} outputs, {n_scratch} scratch), in that order, "
-            f"but its signature is {sig}") from None
-
-
-def normalize_inputs(inputs) -> list[list[torch.Tensor]]:
-    if isinstance(inputs, torch.Tensor) or not len(inputs):
-        raise KernelUsageError(
-            "inputs_per_device must be a non-empty list with one entry per device, each a list "
-            "of tensors, e.g. [[x0], [x1]] for two devices and one input")
-    per_dev = [[t] if isinstance(t, torch.Tensor) else list(t) for t in inputs]
-    first = per_dev[0]
-    for d, ts in enumerate(per_dev):
-        if len(ts) != len(first):
-            raise KernelUsageError(
-                f"inputs_per_device: device 0 has {len(first)} inputs, device {d} has {len(ts)}")
-        for i, (a, b) in enumerate(zip(first, ts)):
-            if not isinstance(b, torch.Tensor):
-                raise KernelUsageError(f"inputs_per_device[{d}][{i}] is not a tensor")
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise KernelUsageError(
-                    f"inputs_per_device[{d}][{i}] is {tuple(b.shape)} {b.dtype} but device 0's is "
-                    f"{tuple(a.shape)} {a.dtype}; every device's block must have the same shape")
-    return per_dev
 
 
 class _Token:
@@ -248,17 +195,14 @@ class _Device(DeviceContext):
                 "scratch buffer instead")
         self._yield()
         dst = self.buffers[ref.info.key][ref.torch_index()]
-        value = torch.as_tensor(value, dtype=dst.dtype)
-        if torch.broadcast_shapes(value.shape, dst.shape) != dst.shape:
-            raise KernelUsageError(
-                f"write to {ref.describe()}: value of shape {tuple(value.shape)} does not fit "
-                f"a ref of shape {tuple(dst.shape)}")
+        value = fit_value(value, dst, ref)
         self.record(self, ref, True, self.device, self.clock,
                     f"write of {ref.describe()} by device {self.device} at {site}")
         dst.copy_(value)
 
     # -- copies and semaphores
-    def start_copy(self, copy, site) -> None:
+    def start_copy(self, copy) -> None:
+        site = capture_site()
         self._yield()
         actor = self.run.new_actor()
         clock = dict(self.clock)
@@ -266,14 +210,16 @@ class _Device(DeviceContext):
         self._tick()
         self.run.copies.append(_Copy(actor, copy, self, clock, site))
 
-    def wait(self, sem: SemaphoreRef, value: int, what: str, site) -> None:
+    def wait(self, sem: SemaphoreRef, value: int, what) -> None:
+        site = capture_site()
         key, flat = sem.element(what)
         s = self.sem(sem.info, flat)
         self._yield(waiting=(s, value, what, site))
         s.take(value, self.clock)
         self.waiting = None
 
-    def signal(self, sem: SemaphoreRef, inc: int, device: int, site) -> None:
+    def signal(self, sem: SemaphoreRef, inc: int, device: int) -> None:
+        site = capture_site()
         self._yield()
         key, flat = sem.element("semaphore_signal")
         tok = _Token(inc, dict(self.clock),
@@ -290,6 +236,28 @@ class _Device(DeviceContext):
     def barrier_semaphore(self) -> SemaphoreRef:
         return SemaphoreRef(self.run.barrier_info)
 
+    # -- borrows: one access recorded at the start and again at the end of the block
+    def borrow(self, ref: Ref, write: bool):
+        site = capture_site()
+        self._yield()
+        kind = "write" if write else "read"
+        self.record(self, ref, write, self.device, self.clock,
+                    f"{kind} (borrow start) of {ref.describe()} by device {self.device} at {site}")
+        view = self.buffers[ref.info.key][ref.torch_index()]
+        return view, (None if write else view.clone())
+
+    def end_borrow(self, ref: Ref, write: bool, view, token) -> None:
+        site = capture_site()
+        self._yield()
+        kind = "write" if write else "read"
+        if token is not None and not same_outputs(((view,),), ((token,),)):
+            # (a peer cannot have changed it without a race report, so it was the kernel)
+            raise KernelUsageError(
+                f"borrow of {ref.describe()} at {site} was written through, but it is a read "
+                "borrow; use borrow(ref, write=True)")
+        self.record(self, ref, write, self.device, self.clock,
+                    f"{kind} (borrow end) of {ref.describe()} by device {self.device} at {site}")
+
     # -- scoped allocation (stack-like, so keys agree across devices)
     def alloc_scoped(self, specs, names) -> list:
         refs = []
@@ -301,12 +269,13 @@ class _Device(DeviceContext):
                     raise KernelUsageError("run_scoped: use get_barrier_semaphore() for the barrier")
                 refs.append(SemaphoreRef(SemaphoreInfo(key, name, spec.kind, spec.shape)))
             else:
-                info = BufferInfo(key, name, spec.shape, spec.dtype, "scoped")
+                info = BufferInfo(key, name, spec.shape, spec.dtype, "scoped", spec.local)
                 t = torch.empty(spec.shape, dtype=spec.dtype)
                 refs.append(self.add_buffer(info, poison_(t) if self.run.poison else t))
         return refs
 
-    def free_scoped(self, refs, site, check: bool) -> None:
+    def free_scoped(self, refs, check: bool) -> None:
+        site = capture_site()
         keys = [r.info.key for r in refs]
         if check:
             for c in self.run.copies:
@@ -397,7 +366,8 @@ class _Run:
                 info = BufferInfo(("in", i), names[i], tuple(x.shape), x.dtype, "input")
                 refs.append(dev.add_buffer(info, x.detach().clone()))
             for i, spec in enumerate(out_specs):
-                info = BufferInfo(("out", i), names[n_in + i], spec.shape, spec.dtype, "output")
+                info = BufferInfo(("out", i), names[n_in + i], spec.shape, spec.dtype, "output",
+                                  spec.local)
                 t = torch.empty(spec.shape, dtype=spec.dtype)
                 refs.append(dev.add_buffer(info, poison_(t) if poison else t))
             for i, spec in enumerate(scratch_specs):
@@ -408,7 +378,7 @@ class _Run:
                     else:
                         refs.append(SemaphoreRef(SemaphoreInfo(key, name, spec.kind, spec.shape)))
                 else:
-                    info = BufferInfo(key, name, spec.shape, spec.dtype, "scratch")
+                    info = BufferInfo(key, name, spec.shape, spec.dtype, "scratch", spec.local)
                     t = torch.empty(spec.shape, dtype=spec.dtype)
                     refs.append(dev.add_buffer(info, poison_(t) if poison else t))
             self.refs.append(refs)
@@ -526,7 +496,7 @@ class _Run:
                 lines.append(f"  device {d.device}: finished the kernel")
             else:
                 s, value, what, site = d.waiting
-                lines.append(f"  device {d.device}: blocked in {what} at {site}: needs {value}, "
+                lines.append(f"  device {d.device}: blocked in {what()} at {site}: needs {value}, "
                              f"semaphore {s.name} is {s.value}")
         return DeadlockError(
             "deadlock: every live device is blocked and no copy is in flight, so nothing can "
@@ -547,12 +517,6 @@ class _Run:
                 f"kernel exited with {len(lines)} semaphore(s) not at zero (every semaphore must "
                 "be back at 0 when the kernel ends, or the next kernel inherits stray counts):\n"
                 + "\n".join(lines) + "\n" + self.note())
-
-
-def _same(a: list, b: list) -> bool:
-    return all(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True)
-               if x.dtype.is_floating_point else torch.equal(x, y)
-               for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
 def interpret(kernel: Callable, inputs_per_device: Sequence, out_shapes, *, scratch=(),
@@ -583,7 +547,7 @@ def interpret(kernel: Callable, inputs_per_device: Sequence, out_shapes, *, scra
         result = _Run(kernel, per_dev, out_specs, scratch_specs, grid, s, poison, note).execute()
         if first is None:
             first, first_seed = result, s
-        elif not _same(first, result):
+        elif not same_outputs(first, result):
             raise ScheduleDependenceError(
                 f"outputs differ between schedule seed={first_seed} and seed={s} although neither "
                 "run reported a race: the kernel's result depends on timing (e.g. a branch on "

@@ -51,21 +51,30 @@ def set_context(ctx) -> None:
 
 @dataclass(frozen=True)
 class Buffer:
-    """Shape and dtype of an output or scratch buffer (Pallas' ShapeDtypeStruct / VMEM)."""
+    """Shape and dtype of an output or scratch buffer (Pallas' ShapeDtypeStruct / VMEM).
+
+    `local=True` puts the buffer in the device's private memory (like VMEM):
+    only the device itself writes it -- it can be the source of a remote copy
+    but never the destination.  The shared-memory runtime then keeps it out of
+    shared memory (and can hand it back, or write it into a caller's tensor,
+    without a copy).
+    """
 
     shape: tuple
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None  # None: torch's default dtype when the spec is made
+    local: bool = False
 
-    def __init__(self, shape, dtype: torch.dtype = torch.float32):
+    def __init__(self, shape, dtype: torch.dtype | None = None, local: bool = False):
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
-        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "dtype", torch.get_default_dtype() if dtype is None else dtype)
+        object.__setattr__(self, "local", bool(local))
 
     @property
     def nbytes(self) -> int:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 def as_buffer(spec: Any, what: str) -> Buffer:
@@ -215,6 +224,7 @@ class BufferInfo:
     shape: tuple
     dtype: torch.dtype
     role: str  # "input", "output", "scratch" or "scoped"
+    local: bool = False  # private to the device: never a remote copy's destination
 
     @property
     def readonly(self) -> bool:
@@ -264,7 +274,7 @@ class Ref:
 
     @property
     def nbytes(self) -> int:
-        return self.size * torch.empty((), dtype=self.dtype).element_size()
+        return self.size * self.dtype.itemsize
 
     @property
     def name(self) -> str:
@@ -331,6 +341,7 @@ class SemaphoreRef:
     def element(self, what: str) -> tuple:
         """(key, flat index) of the single semaphore this ref names."""
         if self.shape != ():
+            what = what() if callable(what) else what
             raise KernelUsageError(
                 f"{what}: '{self.info.name}' is an array of semaphores with shape {self.shape}; "
                 f"pick one with {self.info.name}.at[i]")

@@ -1,24 +1,14 @@
 """Shared-memory runtime: the same kernels on real, truly concurrent processes.
 
-Each rank (device) is a process on one host.  The group's memory is named, so
-a process joins by name alone (`ShmComm.connect(name, rank, world)`), which is
-what a torch.distributed backend needs; `ShmGroup` (group.py) builds a worker
-pool on top.
+Each rank (device) is a process on one host.  The group's memory is named
+(segments.py), so a process joins by name alone (`ShmComm.connect(name, rank,
+world)`), which is what a torch.distributed backend needs; `ShmGroup`
+(group.py) builds a worker pool on top.
 
-Layout (files in /dev/shm, mapped by every rank):
-
-- one *arena* per rank: that rank's output, scratch and scoped buffers,
-  bump-allocated in kernel order, so the same ref names the same offset on
-  every rank and a remote copy is a plain `copy_` into the peer's arena;
-- one *control* block of int64 words: per semaphore, one counter per
-  (target rank, slot, source rank) and one "consumed" counter per (target,
-  slot).  Every word has a single writer (the source, resp. the target), so no
-  atomic read-modify-write is needed: aligned 8-byte stores are atomic on
-  x86-64 and arm64, and the doorbell below orders them;
-- one named POSIX semaphore per rank as a *doorbell*: after bumping a counter
-  of rank t, the writer rings t's doorbell; a waiter re-checks its counters
-  whenever it wakes, so it sleeps in the kernel instead of spinning (this host
-  may run more ranks than cores).
+A kernel's output, scratch and scoped buffers are bump-allocated in each
+rank's arena in kernel order, so the same ref names the same offset on every
+rank and a remote copy is a plain `copy_` into the peer's arena; inputs stay
+where the caller has them (they are read-only, and nobody copies into them).
 
 Semantics match the interpreter (copies count bytes on DMA semaphores,
 `semaphore_wait` blocks until >= value then subtracts), with copies completing
@@ -31,25 +21,22 @@ that raises marks itself failed and rings every doorbell, so no peer hangs.
 """
 from __future__ import annotations
 
+import functools
 import itertools
-import mmap
 import os
-import tempfile
 import time
-import uuid
 
-import _multiprocessing  # the C implementation behind multiprocessing's semaphores
 import torch
 
 from .api import DeviceContext, RemoteCopy
+from .common import check_kernel_arity, fit_value, kernel_param_names, poison_
 from .errors import (
-    KernelError,
     KernelTimeoutError,
     KernelUsageError,
     PeerFailedError,
     SemaphoreLeakError,
+    capture_site,
 )
-from .interpreter import check_kernel_arity, kernel_param_names, poison_
 from .refs import (
     Buffer,
     BufferInfo,
@@ -63,195 +50,15 @@ from .refs import (
     flatten_specs,
     set_context,
 )
-
-_MAGIC = 0x73686D61704B524E  # "shmapKRN"
-_HEADER = 8                  # int64 words: magic, world, slots, capacity, ...
-_ERR_BYTES = 2048            # per-rank failure message
-_ALIGN = 64
-_BARRIER_SLOT, _USER_BARRIER_SLOT, _FIRST_SLOT = 0, 1, 2
-_SEMAPHORE = 1  # multiprocessing.synchronize.SEMAPHORE
-
-
-def align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def segment_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def new_group_name() -> str:
-    """A fresh group name (names must be unique per live group)."""
-    return f"shmap-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-
-
-class _Doorbell:
-    """A named counting semaphore: `ring()` from anyone, `sleep()` by its owner."""
-
-    def __init__(self, name: str, create: bool):
-        self.name = name
-        maxv = _multiprocessing.SemLock.SEM_VALUE_MAX
-        if create:
-            self._sem = _multiprocessing.SemLock(_SEMAPHORE, 0, maxv, name, False)
-        else:
-            self._sem = _multiprocessing.SemLock._rebuild(0, _SEMAPHORE, maxv, name)
-
-    def ring(self) -> None:
-        try:
-            self._sem.release()
-        except ValueError:  # already at SEM_VALUE_MAX: the owner will wake anyway
-            pass
-
-    def sleep(self, timeout: float) -> None:
-        if self._sem.acquire(True, max(timeout, 0.0)):
-            while self._sem.acquire(False):  # collapse a burst of rings into one wake-up
-                pass
-
-    def drain(self) -> None:
-        while self._sem.acquire(False):
-            pass
-
-    def unlink(self) -> None:
-        try:
-            _multiprocessing.sem_unlink(self.name)
-        except FileNotFoundError:
-            pass
-
-
-def _map(path: str, size: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-class Segments:
-    """The named shared memory of one group (see the module docstring)."""
-
-    def __init__(self, name, world, n_slots, capacity, create):
-        self.name, self.world, self.n_slots, self.capacity = name, world, n_slots, capacity
-        d = segment_dir()
-        self.ctl_path = os.path.join(d, f"{name}.ctl")
-        self.arena_paths = [os.path.join(d, f"{name}.arena{r}") for r in range(world)]
-        self.bell_names = [f"/{name}.bell{r}" for r in range(world)]
-        self.cnt_base = _HEADER + world
-        self.cons_base = self.cnt_base + world * n_slots * world
-        self.err_offset = (self.cons_base + world * n_slots) * 8
-        self.ctl_bytes = self.err_offset + world * _ERR_BYTES
-        if create:
-            self._create()
-        self.bells = [_Doorbell(b, create=False) for b in self.bell_names] if not create \
-            else self._created_bells
-        self._ctl_map = _map(self.ctl_path, self.ctl_bytes)
-        self.ctl = memoryview(self._ctl_map).cast("q")
-        self._arena_maps = [_map(p, capacity) for p in self.arena_paths]
-        self.arenas = [torch.frombuffer(m, dtype=torch.uint8) for m in self._arena_maps]
-        if create:
-            self.ctl[0:4] = memoryview(bytearray(
-                torch.tensor([_MAGIC, world, n_slots, capacity], dtype=torch.int64).numpy()
-                .tobytes())).cast("q")
-
-    @classmethod
-    def create(cls, name: str, world: int, *, capacity: int, n_slots: int = 256) -> "Segments":
-        return cls(name, world, n_slots, align(capacity), create=True)
-
-    @classmethod
-    def attach(cls, name: str, *, timeout: float = 30.0) -> "Segments":
-        """Open a group created elsewhere, waiting up to `timeout` s for it to appear."""
-        path = os.path.join(segment_dir(), f"{name}.ctl")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                m = _map(path, _HEADER * 8)
-                head = memoryview(m).cast("q")
-                magic, world, n_slots, capacity = (int(v) for v in head[:4])
-                head.release()
-                m.close()
-                if magic == _MAGIC:
-                    return cls(name, world, n_slots, capacity, create=False)
-            except (FileNotFoundError, ValueError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise KernelTimeoutError(
-                    f"shared-memory group {name!r} did not appear in {segment_dir()} within "
-                    f"{timeout} s; is rank 0 running and using the same name?")
-            time.sleep(0.01)
-
-    def _create(self) -> None:
-        self.unlink()  # a stale group of the same name (a crashed run) is replaced
-        self._created_bells = [_Doorbell(b, create=True) for b in self.bell_names]
-        for p in self.arena_paths + [self.ctl_path]:
-            size = self.ctl_bytes if p == self.ctl_path else self.capacity
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                if hasattr(os, "posix_fallocate") and size:
-                    try:  # reserve now: running out of /dev/shm later is a SIGBUS
-                        os.posix_fallocate(fd, 0, size)
-                    except OSError as e:
-                        raise KernelUsageError(
-                            f"cannot reserve {size} bytes in {segment_dir()} for {p}: {e}; "
-                            "lower `capacity` or enlarge /dev/shm") from None
-            finally:
-                os.close(fd)
-
-    # -- control words
-    def cnt(self, target: int, slot: int, source: int) -> int:
-        return self.cnt_base + (target * self.n_slots + slot) * self.world + source
-
-    def cons(self, target: int, slot: int) -> int:
-        return self.cons_base + target * self.n_slots + slot
-
-    def value(self, target: int, slot: int) -> int:
-        b = self.cnt(target, slot, 0)
-        return sum(self.ctl[b:b + self.world]) - self.ctl[self.cons(target, slot)]
-
-    def failed(self, rank: int) -> bool:
-        return bool(self.ctl[_HEADER + rank])
-
-    def mark_failed(self, rank: int, message: str) -> None:
-        raw = message.encode("utf-8", "replace")[:_ERR_BYTES - 1]
-        off = self.err_offset + rank * _ERR_BYTES
-        self._ctl_map[off:off + len(raw) + 1] = raw + b"\0"
-        self.ctl[_HEADER + rank] = 1
-        for b in self.bells:
-            b.ring()
-
-    def failure_message(self, rank: int) -> str:
-        off = self.err_offset + rank * _ERR_BYTES
-        raw = bytes(self._ctl_map[off:off + _ERR_BYTES])
-        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-    def reset(self) -> None:
-        """Zero every counter and failure flag (only while no rank is in a kernel)."""
-        zero = memoryview(bytes(self.ctl_bytes - _HEADER * 8))
-        self._ctl_map[_HEADER * 8:self.ctl_bytes] = zero
-        for b in self.bells:
-            b.drain()
-
-    def unlink(self) -> None:
-        """Remove the names (mapped memory stays valid for whoever has it open)."""
-        for p in self.arena_paths + [self.ctl_path]:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-        for b in self.bell_names:
-            try:
-                _multiprocessing.sem_unlink(b)
-            except FileNotFoundError:
-                pass
-
-    def close(self) -> None:
-        self.arenas = []
-        try:
-            self.ctl.release()
-            self._ctl_map.close()
-            for m in self._arena_maps:
-                m.close()
-        except BufferError:  # a tensor still views the memory; the OS frees it at exit
-            pass
+from .segments import (
+    ALIGN,
+    BARRIER_SLOT,
+    FIRST_SLOT,
+    USER_BARRIER_SLOT,
+    Segments,
+    align,
+    new_group_name,
+)
 
 
 class _Device(DeviceContext):
@@ -266,25 +73,32 @@ class _Device(DeviceContext):
         self.offsets: dict = {}   # key -> (offset, Buffer) in every rank's arena
         self.slots: dict = {}     # semaphore key -> first slot
         self.top = 0
-        self.slot_top = _FIRST_SLOT
+        self.slot_top = self.slot_max = FIRST_SLOT
+        self.arena_limit, self.slot_limit = comm.seg.capacity, comm.seg.n_slots
+        self.views: dict = {}
+        self.sent: dict = {}      # (target, slot) -> amount signalled in this kernel
+        self.consumed: dict = {}  # slot -> amount waited for in this kernel
+        self.sem_names: dict = {}
         self.scoped: list = []
 
     # -- allocation
     def alloc(self, spec: Buffer) -> int:
         off = self.top
         self.top = align(off + spec.nbytes)
-        if self.top > self.seg.capacity:
+        if self.top > self.arena_limit:
             raise KernelUsageError(
-                f"the kernel's buffers need more than the group's arena of {self.seg.capacity} "
-                "bytes per rank; create the group with a larger capacity")
+                f"the kernel's buffers need more than the {self.arena_limit} bytes of arena "
+                f"available per rank (capacity {self.seg.capacity}); create the group with a "
+                "larger capacity")
         return off
 
     def alloc_slots(self, spec: SemaphoreSpec) -> int:
         slot = self.slot_top
         self.slot_top += spec.count
-        if self.slot_top > self.seg.n_slots:
+        self.slot_max = max(self.slot_max, self.slot_top)  # the exit check covers them all
+        if self.slot_top > self.slot_limit:
             raise KernelUsageError(
-                f"the kernel uses more than {self.seg.n_slots - _FIRST_SLOT} semaphores")
+                f"the kernel uses more semaphores than the group has ({self.seg.n_slots} slots)")
         return slot
 
     def tensor(self, rank: int, info: BufferInfo) -> torch.Tensor:
@@ -292,12 +106,16 @@ class _Device(DeviceContext):
         if t is not None:
             return t
         off, spec = self.offsets[info.key]
-        return self.seg.arenas[rank][off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
+        t = self.views.get((rank, off, spec))
+        if t is None:  # views of the arena are cached with the kernel's plan
+            t = self.seg.arenas[rank][off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
+            self.views[(rank, off, spec)] = t
+        return t
 
     def slot(self, sem: SemaphoreRef, what: str) -> int:
         key, flat = sem.element(what)
         if key == ("barrier",):
-            return _USER_BARRIER_SLOT
+            return USER_BARRIER_SLOT
         return self.slots[key] + flat
 
     # -- data
@@ -310,14 +128,9 @@ class _Device(DeviceContext):
                 f"write to {ref.describe()}: kernel inputs are read-only; write an output or "
                 "scratch buffer instead")
         dst = self.tensor(self.device, ref.info)[ref.torch_index()]
-        value = torch.as_tensor(value, dtype=dst.dtype)
-        if torch.broadcast_shapes(value.shape, dst.shape) != dst.shape:
-            raise KernelUsageError(
-                f"write to {ref.describe()}: value of shape {tuple(value.shape)} does not fit "
-                f"a ref of shape {tuple(dst.shape)}")
-        dst.copy_(value)
+        dst.copy_(fit_value(value, dst, ref))
 
-    def start_copy(self, copy, site) -> None:
+    def start_copy(self, copy) -> None:
         src = self.tensor(self.device, copy.src.info)[copy.src.torch_index()]
         dst = self.tensor(copy.target, copy.dst.info)[copy.dst.torch_index()]
         dst.copy_(src)
@@ -331,28 +144,37 @@ class _Device(DeviceContext):
     def _bump(self, target: int, slot: int, inc: int) -> None:
         i = self.seg.cnt(target, slot, self.device)
         self.seg.ctl[i] += inc
+        self.sent[(target, slot)] = self.sent.get((target, slot), 0) + inc
         if target != self.device:
             self.seg.bells[target].ring()
 
-    def signal(self, sem: SemaphoreRef, inc: int, device: int, site) -> None:
+    def signal(self, sem: SemaphoreRef, inc: int, device: int) -> None:
         self._bump(device, self.slot(sem, "semaphore_signal"), inc)
 
     def read_semaphore(self, sem: SemaphoreRef) -> int:
         return self.seg.value(self.device, self.slot(sem, "semaphore_read"))
 
-    def wait(self, sem: SemaphoreRef, value: int, what: str, site) -> None:
+    def wait(self, sem: SemaphoreRef, value: int, what) -> None:
         slot = self.slot(sem, what)
         seg, me = self.seg, self.device
         if seg.value(me, slot) < value:
             self.comm.sleep_until(lambda: seg.value(me, slot) >= value, self.timeout, lambda: (
-                f"device {me}: {what} at {site} did not complete within {self.timeout} s: "
+                f"device {me}: {what()} at {capture_site()} did not complete within "
+                f"{self.timeout} s: "
                 f"needs {value}, semaphore {sem.describe()} ({sem.kind.value}) is "
                 f"{seg.value(me, slot)}. Probably a deadlock (run the kernel under "
                 "kernels.interpret for a diagnosis) or a stalled peer"))
         seg.ctl[seg.cons(me, slot)] += value
+        self.consumed[slot] = self.consumed.get(slot, 0) + value
 
     def barrier_semaphore(self) -> SemaphoreRef:
         return SemaphoreRef(SemaphoreInfo(("barrier",), "barrier", SemaphoreKind.BARRIER, ()))
+
+    def borrow(self, ref: Ref, write: bool):
+        return self.tensor(self.device, ref.info)[ref.torch_index()], None
+
+    def end_borrow(self, ref: Ref, write: bool, view, token) -> None:
+        pass
 
     # -- scoped allocation: stack-like, mirrored on every rank
     def alloc_scoped(self, specs, names) -> list:
@@ -361,21 +183,49 @@ class _Device(DeviceContext):
             key = ("scoped", len(self.scoped))
             self.scoped.append((key, self.top, self.slot_top))
             if isinstance(spec, SemaphoreSpec):
-                self.slots[key] = self.alloc_slots(spec)
-                refs.append(SemaphoreRef(SemaphoreInfo(key, name, spec.kind, spec.shape)))
+                self.slots[key] = first = self.alloc_slots(spec)
+                info = SemaphoreInfo(key, name, spec.kind, spec.shape)
+                for flat in range(spec.count):
+                    self.sem_names.setdefault(
+                        first + flat, f"'{element_name(info, flat)}' ({spec.kind.value}, scoped)")
+                refs.append(SemaphoreRef(info))
+            elif spec.local:
+                self.local[key] = torch.empty(spec.shape, dtype=spec.dtype)
+                refs.append(Ref(BufferInfo(key, name, spec.shape, spec.dtype, "scoped", True)))
             else:
                 self.offsets[key] = (self.alloc(spec), spec)
                 refs.append(Ref(BufferInfo(key, name, spec.shape, spec.dtype, "scoped")))
         return refs
 
-    def free_scoped(self, refs, site, check: bool) -> None:
+    def free_scoped(self, refs, check: bool) -> None:
         for _ in refs:
             key, top, slot_top = self.scoped.pop()
             self.offsets.pop(key, None)
+            self.local.pop(key, None)
             self.slots.pop(key, None)
-            self.top = top
-            self.slot_top = max(self.slot_top, slot_top) if False else self.slot_top
-        # Semaphore slots are not reused within a kernel: the exit check must see them all.
+            self.top, self.slot_top = top, slot_top
+
+
+def _kernel_key(kernel):
+    """Cache key for a kernel; partials built per call compare by their contents."""
+    if isinstance(kernel, functools.partial):
+        try:
+            key = (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())))
+            hash(key)
+            return key
+        except TypeError:
+            return kernel
+    return kernel
+
+
+def _spec_key(spec):
+    if type(spec) in (Buffer, SemaphoreSpec):
+        return spec
+    if isinstance(spec, torch.Tensor):
+        return ("tensor", tuple(spec.shape), spec.dtype)
+    if isinstance(spec, (list, tuple)):
+        return tuple(_spec_key(s) for s in spec)
+    return spec
 
 
 class ShmComm:
@@ -391,9 +241,16 @@ class ShmComm:
         if not 0 <= rank < segments.world:
             raise KernelUsageError(f"rank {rank} is out of range for a group of {segments.world}")
         self.seg, self.rank, self.world, self.timeout = segments, rank, segments.world, timeout
+        # Busy-poll briefly before sleeping when every rank can have a core; with more ranks
+        # than cores, polling only steals the core from the peer we wait for.
+        spare = self.world <= (os.cpu_count() or 1)
+        self.spin = float(os.environ.get("SHMAP_SHM_SPIN_US", "50" if spare else "0")) * 1e-6
+        self.spin_yield = os.environ.get("SHMAP_SHM_SPIN_YIELD", "0") == "1"
         self.epoch = 0
-        self.prev_slots = _FIRST_SLOT
-        self.kernel_names: dict = {}
+        self.prev = None            # (epoch, n, slot_max, consumed, names) of the last kernel
+        self._plans: dict = {}
+        self.last_sync = "barrier"
+        self.bank_written = [0, 0]  # how many slots of each bank this rank has written
 
     @classmethod
     def connect(cls, name: str, rank: int, world_size: int, *, capacity: int = 64 << 20,
@@ -421,7 +278,18 @@ class ShmComm:
                     f"{self.seg.failure_message(r)}")
 
     def sleep_until(self, ready, timeout: float, describe) -> None:
-        """Block (in the kernel, not spinning) until ready(); errors on peer failure/timeout."""
+        """Block until ready(); errors on peer failure/timeout.
+
+        First a short busy poll (only when ranks <= cores; SHMAP_SHM_SPIN_US
+        overrides its length), then sleep on the doorbell.  The poll avoids a
+        sleep/wake round trip when the peer is about to signal anyway.
+        """
+        spin_until = time.perf_counter() + self.spin
+        while time.perf_counter() < spin_until:
+            if ready():
+                return
+            if self.spin_yield:
+                os.sched_yield()
         deadline = time.monotonic() + timeout
         bell = self.seg.bells[self.rank]
         while not ready():
@@ -439,18 +307,47 @@ class ShmComm:
         seg, me, e = self.seg, self.rank, self.epoch
         for p in range(n):
             if p != me:
-                seg.ctl[seg.cnt(p, _BARRIER_SLOT, me)] = e
+                seg.ctl[seg.cnt(p, BARRIER_SLOT, me)] = e
                 seg.bells[p].ring()
-        peers = [seg.cnt(me, _BARRIER_SLOT, s) for s in range(n) if s != me]
+        peers = [seg.cnt(me, BARRIER_SLOT, s) for s in range(n) if s != me]
         self.sleep_until(lambda: all(seg.ctl[i] >= e for i in peers), self.timeout, lambda: (
             f"device {me}: entry barrier {e} timed out after {self.timeout} s; not arrived: "
             + ", ".join(f"device {s}" for s in range(n) if s != me
-                        and seg.ctl[seg.cnt(me, _BARRIER_SLOT, s)] < e)))
+                        and seg.ctl[seg.cnt(me, BARRIER_SLOT, s)] < e)))
+
+    def _publish(self, dev: "_Device", names: dict) -> None:
+        """Write what this rank sent during the kernel into the bank of the epoch's parity.
+
+        Peers check it after the next entry barrier.  A peer can by then have
+        finished the *next* kernel (writing the other bank) but not the one
+        after, whose barrier waits for us -- so two banks are enough.
+        """
+        seg, me, ctl = self.seg, self.rank, self.seg.ctl
+        bank = self.epoch % 2
+        upto = max(dev.slot_max, self.bank_written[bank])
+        for t in range(self.world):
+            for slot in range(USER_BARRIER_SLOT, upto):
+                ctl[seg.sent(bank, t, slot, me)] = dev.sent.get((t, slot), 0)
+        self.bank_written[bank] = dev.slot_max
+        self.prev = (self.epoch, dev.num_devices, dev.slot_max, dev.consumed, names)
+
+    def _late_signals(self) -> None:
+        """After the entry barrier: did signals of the previous kernel arrive after we left?"""
+        if self.prev is None or self.prev[0] != self.epoch - 1:
+            return  # not consecutive (a ShmGroup checks exactly from the parent instead)
+        epoch, n, slot_max, consumed, names = self.prev
+        seg, me, ctl = self.seg, self.rank, self.seg.ctl
+        values = {}
+        for slot in range(USER_BARRIER_SLOT, slot_max):
+            got = sum(ctl[seg.sent(epoch % 2, me, slot, s)] for s in range(n))
+            values[slot] = got - consumed.get(slot, 0)
+        self._leftovers(values, names, "the previous kernel on this group ended (counting "
+                        "signals that arrived after this device had left it)")
 
     def _leftovers(self, slots, names, when: str) -> None:
         bad = []
         for slot in slots:
-            v = self.seg.value(self.rank, slot)
+            v = slots[slot] if isinstance(slots, dict) else self.seg.value(self.rank, slot)
             if v:
                 bad.append(f"  device {self.rank}: semaphore {names.get(slot, f'#{slot}')} = {v}")
         if bad:
@@ -462,44 +359,64 @@ class ShmComm:
     # -- running a kernel
     def run(self, kernel, inputs, out_shapes, *, scratch=(), grid=(), timeout=None,
             n: int | None = None, epoch: int | None = None, arena_base: int = 0,
-            poison: bool = False, copy_outputs: bool = True):
+            poison: bool = False, outputs: str = "copy", sync: str = "barrier",
+            check_late: bool = True, out=None):
         """Run `kernel` as this rank's device; returns this rank's output(s).
 
-        `inputs` is this rank's list of tensors.  `n` (default: the group
-        size) runs the kernel on ranks 0..n-1 only.  A failure here marks the
-        rank failed so that peers stop instead of hanging.
+        `inputs` is this rank's list of tensors (read-only in the kernel; not
+        copied).  `n` (default: the group size) runs on ranks 0..n-1 only.
+        `outputs`: "copy" (new tensors), "view" (views of the arena, valid
+        until the next kernel on this comm), "offsets" (for ShmGroup).  Local
+        outputs (`Buffer(..., local=True)`) are private tensors, returned as
+        they are; `out=[tensor or None, ...]` makes them write into the
+        caller's tensors instead (no copy at all).
+
+        `sync="barrier"` (default) starts with an entry barrier, so a kernel
+        may assume every peer has finished the previous one.  `sync="parity"`
+        skips it and alternates between two halves of the arena and of the
+        semaphores instead; that is only safe when, in every kernel, each rank
+        waits for data from every other rank (so no rank can be two kernels
+        ahead of another) -- true of the direct collectives in transport.py.
+
+        A failure marks this rank failed so that peers stop instead of hanging.
         """
         n = self.world if n is None else n
         try:
             return self._run(kernel, inputs, out_shapes, scratch, tuple(grid),
                              self.timeout if timeout is None else timeout, n, epoch,
-                             arena_base, poison, copy_outputs)
+                             arena_base, poison, outputs, sync, check_late, out)
         except BaseException as e:
             if not isinstance(e, PeerFailedError):
                 self.seg.mark_failed(self.rank, f"{type(e).__name__}: {e}")
             raise
 
-    def _run(self, kernel, inputs, out_shapes, scratch, grid, timeout, n, epoch, arena_base,
-             poison, copy_outputs):
-        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    def _plan(self, kernel, inputs, out_shapes, scratch, n, grid, base, slot_base, limits,
+              all_shared):
+        """Refs, offsets and semaphore slots of a kernel call (cached: the hot path of
+        repeated collectives should not rebuild them).  Local buffers live in private
+        memory, unless `all_shared` (ShmGroup's parent reads every output from the arena)."""
         outs, single = flatten_specs(out_shapes)
         out_specs = [as_buffer(s, f"out_shapes[{i}]") for i, s in enumerate(outs)]
         scratch = [s if isinstance(s, SemaphoreSpec) else as_buffer(s, f"scratch[{i}]")
                    for i, s in enumerate(scratch)]
         names = self._names(kernel, len(inputs), len(out_specs), len(scratch))
-
-        dev = _Device(self, n, grid, timeout)
-        dev.top = align(arena_base)
+        dev = _Device(self, n, grid, self.timeout)
+        dev.top, dev.slot_top = base, slot_base
+        dev.arena_limit, dev.slot_limit = limits
         refs = []
         for i, x in enumerate(inputs):
-            info = BufferInfo(("in", i), names[i], tuple(x.shape), x.dtype, "input")
-            dev.local[info.key] = x
-            refs.append(Ref(info))
+            refs.append(Ref(BufferInfo(("in", i), names[i], tuple(x.shape), x.dtype, "input")))
+        out_keys, private = [], {}
         for i, spec in enumerate(out_specs):
-            info = BufferInfo(("out", i), names[len(inputs) + i], spec.shape, spec.dtype, "output")
-            dev.offsets[info.key] = (dev.alloc(spec), spec)
+            info = BufferInfo(("out", i), names[len(inputs) + i], spec.shape, spec.dtype, "output",
+                              spec.local)
+            if spec.local and not all_shared:
+                private[info.key] = spec
+            else:
+                dev.offsets[info.key] = (dev.alloc(spec), spec)
             refs.append(Ref(info))
-        sem_names = {_USER_BARRIER_SLOT: "'barrier' (BARRIER)"}
+            out_keys.append(info.key)
+        sem_names = {USER_BARRIER_SLOT: "'barrier' (BARRIER)"}
         for i, spec in enumerate(scratch):
             name, key = names[len(inputs) + len(out_specs) + i], ("scratch", i)
             if isinstance(spec, SemaphoreSpec):
@@ -512,41 +429,108 @@ class ShmComm:
                     sem_names[first + flat] = f"'{element_name(info, flat)}' ({spec.kind.value})"
                 refs.append(SemaphoreRef(info))
             else:
-                info = BufferInfo(key, name, spec.shape, spec.dtype, "scratch")
-                dev.offsets[key] = (dev.alloc(spec), spec)
+                info = BufferInfo(key, name, spec.shape, spec.dtype, "scratch", spec.local)
+                if spec.local:  # private, and reused by later calls with this plan
+                    private[key] = torch.empty(spec.shape, dtype=spec.dtype)
+                else:
+                    dev.offsets[key] = (dev.alloc(spec), spec)
                 refs.append(Ref(info))
-        if poison:
-            for key, (off, spec) in dev.offsets.items():
-                poison_(dev.tensor(self.rank, BufferInfo(key, "", spec.shape, spec.dtype, "")))
+        return {"refs": refs, "offsets": dev.offsets, "slots": dev.slots, "top": dev.top,
+                "slot_top": dev.slot_top, "names": sem_names, "out_keys": out_keys, "views": {},
+                "out_specs": out_specs, "single": single, "private": private}
 
-        # Entry barrier: every peer has finished the previous kernel (so our buffers are ours
-        # again, and its late signals have landed) before anyone writes into them.
-        self.barrier(n, epoch)
-        self._leftovers(range(_USER_BARRIER_SLOT, self.prev_slots), self.kernel_names,
-                        "the previous kernel on this group ended")
-        self.prev_slots, self.kernel_names = dev.slot_top, sem_names
+    def _run(self, kernel, inputs, out_shapes, scratch, grid, timeout, n, epoch, arena_base,
+             poison, outputs, sync, check_late, out):
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        if sync not in ("barrier", "parity"):
+            raise KernelUsageError(f"sync must be 'barrier' or 'parity', got {sync!r}")
+        base, slot_base = align(arena_base), FIRST_SLOT
+        limits = (self.seg.capacity, self.seg.n_slots)
+        if sync == "parity":
+            parity = (self.epoch + 1) % 2
+            half = (self.seg.capacity - base) // 2 // ALIGN * ALIGN
+            half_slots = (self.seg.n_slots - FIRST_SLOT) // 2
+            base, slot_base = base + parity * half, FIRST_SLOT + parity * half_slots
+            limits = (base + half, slot_base + half_slots)
+        all_shared = outputs == "offsets"
+        key = (_kernel_key(kernel), tuple([(x.shape, x.dtype) for x in inputs]),
+               _spec_key(out_shapes), _spec_key(scratch), grid, n, base, slot_base, all_shared)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(kernel, inputs, out_shapes, scratch, n, grid, base, slot_base,
+                              limits, all_shared)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+
+        dev = _Device(self, n, grid, timeout)
+        dev.offsets, dev.slots = dict(plan["offsets"]), dict(plan["slots"])
+        dev.top, dev.slot_top = plan["top"], plan["slot_top"]
+        dev.slot_max = plan["slot_top"]
+        dev.arena_limit, dev.slot_limit = limits
+        dev.sem_names = sem_names = dict(plan["names"])
+        dev.views = plan["views"]
+        dev.local = {("in", i): x for i, x in enumerate(inputs)}
+        for k, spec in plan["private"].items():
+            if isinstance(spec, torch.Tensor):  # local scratch
+                dev.local[k] = spec
+            elif out is not None and out[k[1]] is not None:  # write the caller's tensor
+                t = out[k[1]]
+                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    raise KernelUsageError(
+                        f"out[{k[1]}] is {tuple(t.shape)} {t.dtype}, but the kernel's output "
+                        f"{k[1]} is {spec.shape} {spec.dtype}")
+                dev.local[k] = t
+            else:
+                dev.local[k] = torch.empty(spec.shape, dtype=spec.dtype)
+        if poison:
+            for k, (off, spec) in dev.offsets.items():
+                poison_(self.seg.arenas[self.rank][off:off + spec.nbytes].view(spec.dtype))
+            for k in plan["private"]:
+                poison_(dev.local[k])
+
+        if sync == "barrier" or self.last_sync != "parity":
+            # (A parity kernel right after a barrier kernel still needs this barrier: the
+            # barrier kernel's buffers overlap both halves.)
+            # Every peer has finished the previous kernel (so our buffers are ours again)
+            # before anyone writes into them.  Peers may already be signalling us for this
+            # kernel, so the late-signal check uses what each peer reported it sent in the
+            # previous one, not the live counters.
+            self.barrier(n, epoch)
+            if check_late:
+                self._late_signals()
+        else:
+            self.epoch = self.epoch + 1 if epoch is None else epoch
+        self.last_sync = sync
+        first_slot = slot_base if sync == "parity" else USER_BARRIER_SLOT
 
         set_context(dev)
         try:
             for idx in itertools.product(*(range(g) for g in grid)):
                 dev.grid_index = idx
-                kernel(*refs)
+                kernel(*plan["refs"])
         finally:
             set_context(None)
-        self._leftovers(range(_USER_BARRIER_SLOT, dev.slot_top), sem_names, "the kernel ended")
-        self.prev_slots = _FIRST_SLOT if not copy_outputs else self.prev_slots
+        self._leftovers(range(first_slot, dev.slot_max), sem_names, "the kernel ended")
+        if check_late and sync == "barrier":
+            self._publish(dev, sem_names)
+        else:
+            self.prev = None
 
+        if outputs == "offsets":
+            return ([(dev.offsets[k][0], spec) for k, spec in zip(plan["out_keys"],
+                                                                   plan["out_specs"])],
+                    dev.slot_max, sem_names)
         results = []
-        for i, spec in enumerate(out_specs):
-            off, _ = dev.offsets[("out", i)]
-            if copy_outputs:
-                results.append(dev.tensor(self.rank, BufferInfo(("out", i), "", spec.shape,
-                                                                spec.dtype, "")).clone())
-            else:
-                results.append((off, spec))
-        if not copy_outputs:
-            return results
-        return results[0] if single else tuple(results)
+        for k, spec in zip(plan["out_keys"], plan["out_specs"]):
+            if k in dev.local:  # a local output: already private, nothing to copy
+                results.append(dev.local[k])
+                continue
+            off = dev.offsets[k][0]
+            view = self.seg.arenas[self.rank][off:off + spec.nbytes].view(spec.dtype)
+            view = view.view(spec.shape)
+            results.append(view.clone() if outputs == "copy" else view)
+        return results[0] if plan["single"] else tuple(results)
 
     def _names(self, kernel, n_in, n_out, n_scr) -> list:
         check_kernel_arity(kernel, n_in, n_out, n_scr)
@@ -556,11 +540,11 @@ class ShmComm:
 
     def reset_local(self) -> None:
         """Forget per-kernel state after the group's control block was reset."""
-        self.epoch, self.prev_slots, self.kernel_names = 0, _FIRST_SLOT, {}
+        self.epoch, self.prev, self.bank_written = 0, None, [0, 0]
         self.seg.bells[self.rank].drain()
 
     def close(self) -> None:
         self.seg.close()
 
 
-__all__ = ["ShmComm", "Segments", "new_group_name", "KernelError"]
+__all__ = ["ShmComm", "Segments", "new_group_name"]

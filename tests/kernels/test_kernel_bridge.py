@@ -10,9 +10,17 @@ import shmap
 from shmap import P
 from shmap.kernels import bridge, library
 
-torch.set_default_dtype(torch.float64)
 MESH = shmap.make_mesh((2, 4), ("j", "i"))
 N = 4
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Float64 for exact comparisons, restored afterwards (other kernel tests use float32)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def both(kernel_body, ref_body, in_spec, out_spec, *args):

@@ -1,0 +1,312 @@
+"""Distributed mesh: shmap's collectives vs raw torch.distributed, and a data-parallel step.
+
+    .venv/bin/python bench/bench_distributed.py [--quick]
+
+Part 1, on 2 and 4 gloo processes (localhost): each collective called in a
+shard_map body vs the raw `torch.distributed` call on the same block, at
+4 KiB, 1 MiB and 16 MiB per device.  shmap is timed with its per-collective
+signature check off (`configure_distributed(check_collectives=False)`) and on
+(the default).  The raw calls work in place on preallocated buffers; shmap's
+collectives are functional (a fresh output, like torch's functional
+collectives), so they pay one copy or allocation the raw call does not.
+Medians of per-call times, the variants alternating call by call; ratios
+are shmap / raw (1.00 = same).
+
+Part 2: a data-parallel loss/grad step where every rank computes the same
+global loss over its batch shard, written with shmap and with
+`torch.distributed.nn.functional.all_reduce`.  It counts the
+torch.distributed collectives and bytes of the backward pass and compares
+each gradient with the single-process gradient of the same global loss.
+
+All figures come from one run, side by side.  Timings on a shared or
+oversubscribed machine are noisy: compare ratios within one run only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import shmap  # noqa: E402
+from shmap import P  # noqa: E402
+
+SIZES = [(4 << 10, "4 KiB"), (1 << 20, "1 MiB"), (16 << 20, "16 MiB")]
+COLLECTIVES = ["psum", "all_gather", "psum_scatter", "ppermute", "all_to_all"]
+
+
+# --------------------------------------------------------------------------
+# Part 1: one collective, shmap vs raw (runs on every rank)
+# --------------------------------------------------------------------------
+def _raw_op(name, x, world, rank, alloc):
+    """The torch.distributed call on block `x`: in place on preallocated buffers, or (`alloc`)
+    writing a fresh output as a functional API must (a clone for all_reduce)."""
+    import torch.distributed as dist
+
+    bufs = {}
+
+    def buf(key, make):
+        if alloc or key not in bufs:
+            bufs[key] = make()
+        return bufs[key]
+
+    if name == "psum":
+        return lambda: dist.all_reduce(x.clone() if alloc else x)
+    if name == "all_gather":
+        return lambda: dist.all_gather_into_tensor(buf("o", lambda: x.new_empty(world * x.numel())), x)
+    if name == "psum_scatter":
+        return lambda: dist.reduce_scatter_tensor(buf("o", lambda: x.new_empty(x.numel() // world)), x)
+    if name == "ppermute":
+        def ring():
+            out = buf("o", lambda: torch.empty_like(x))
+            ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, out, (rank - 1) % world)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return ring
+    if name == "all_to_all":
+        return lambda: dist.all_to_all_single(buf("o", lambda: torch.empty_like(x)), x)
+    raise ValueError(name)
+
+
+def _shmap_op(name, world):
+    ring = [(s, (s + 1) % world) for s in range(world)]
+    return {
+        "psum": lambda b: shmap.psum(b, "i"),
+        "all_gather": lambda b: shmap.all_gather(b, "i", tiled=True),
+        "psum_scatter": lambda b: shmap.psum_scatter(b, "i", tiled=True),
+        "ppermute": lambda b: shmap.ppermute(b, "i", ring),
+        "all_to_all": lambda b: shmap.all_to_all(b, "i", 0, 0, tiled=True),
+    }[name]
+
+
+def collective_worker(sizes, quick):
+    """Per-call times of every variant, the variants alternating call by call inside one body.
+
+    Alternating call by call (rather than timing blocks one after another)
+    puts every variant under the same load, which on a shared machine
+    drifts by more than the differences being measured; a barrier before each
+    call starts it with every rank ready (so no call inherits its
+    predecessor's stragglers); medians of per-call times shrug off outliers.
+    """
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = shmap.make_mesh((world,), ("i",))
+    variants = ("raw", "raw+alloc", "shmap", "shmap+checks")
+    results = {}
+    for nbytes, label in sizes:
+        n = nbytes // 4
+        calls = max(6, min(300, (32 << 20) // nbytes)) // (3 if quick else 1)
+        for name in COLLECTIVES:
+            x = torch.randn(n)
+            raws = {"raw": _raw_op(name, x.clone(), world, rank, False),
+                    "raw+alloc": _raw_op(name, x.clone(), world, rank, True)}
+            op = _shmap_op(name, world)
+            times = {v: [] for v in variants}
+
+            def body(b):
+                for it in range(2 + calls):  # two warm-up rounds
+                    for v in variants:
+                        if v in raws:
+                            dist.barrier()  # every call starts with every rank ready
+                            t0 = time.perf_counter()
+                            raws[v]()
+                        else:
+                            shmap.configure_distributed(check_collectives=(v == "shmap+checks"))
+                            dist.barrier()
+                            t0 = time.perf_counter()
+                            op(b)
+                        if it >= 2:
+                            times[v].append(time.perf_counter() - t0)
+                return shmap.psum(b[:1] * 0, "i")
+
+            shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())(x.repeat(world))
+            results[(label, name)] = {v: statistics.median(t) for v, t in times.items()}
+    shmap.configure_distributed(check_collectives=True)
+    return results
+
+
+# --------------------------------------------------------------------------
+# Part 2: the data-parallel step
+# --------------------------------------------------------------------------
+class CountCollectives:
+    """Counts torch.distributed data collectives (and bytes) while active, by patching the module."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce_scatter_single", "all_to_all_single", "batch_isend_irecv")
+
+    def __init__(self, control_group=None):
+        import torch.distributed as dist
+
+        self.dist, self.control = dist, control_group
+        self.calls, self.bytes, self._saved = {}, 0, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(self.dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def wrapper(*args, _fn=fn, _name=name, **kw):
+                group = kw.get("group")
+                if group is None or group is not self.control:  # shmap's signature checks are not data
+                    t = args[0] if _name == "all_reduce" else (args[1] if len(args) > 1 else None)
+                    if isinstance(t, torch.Tensor):
+                        self.calls[_name] = self.calls.get(_name, 0) + 1
+                        self.bytes += t.numel() * t.element_size()
+                return _fn(*args, **kw)
+            setattr(self.dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(self.dist, name, fn)
+
+
+def dp_worker(d_in, d_hidden, batch_per_rank, steps):
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnn
+
+    from shmap.backends import watchdog
+
+    warnings.filterwarnings("ignore")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = shmap.make_mesh((world,), ("i",))
+    torch.manual_seed(0)
+    x = torch.randn(batch_per_rank * world, d_in)
+    y = torch.randn(batch_per_rank * world, 1)
+    w1 = torch.randn(d_in, d_hidden) / d_in ** 0.5
+    w2 = torch.randn(d_hidden, 1) / d_hidden ** 0.5
+    n = x.shape[0]
+
+    def local_loss(xb, yb, a, b):
+        return ((torch.relu(xb @ a) @ b - yb) ** 2).sum() / n
+
+    # The truth: one process, the whole batch.
+    a0, b0 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    local_loss(x, y, a0, b0).backward()
+    true = (a0.grad, b0.grad)
+
+    def rel_err(g, t):
+        return ((g - t).norm() / t.norm()).item()
+
+    out = {}
+
+    # shmap: the batch is split over 'i', the weights are replicated (P()).
+    step = shmap.shard_map(lambda xb, yb, a, b: shmap.psum(local_loss(xb, yb, a, b), "i"), mesh=mesh,
+                           in_specs=(P("i"), P("i"), P(), P()), out_specs=P())
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    loss = step(x, y, a, b).full_tensor()
+    with shmap.comm_log() as log, CountCollectives(watchdog.watch().control) as cnt:
+        loss.backward()
+    out["shmap"] = dict(calls=cnt.calls, bytes=cnt.bytes, log=log.summary(), log_bytes=log.total_bytes,
+                        err=max(rel_err(a.grad, true[0]), rel_err(b.grad, true[1])),
+                        ratio=(a.grad.norm() / true[0].norm()).item())
+
+    # torch.distributed.nn: every rank all-reduces its shard's loss into the same global loss.
+    lo, hi = rank * batch_per_rank, (rank + 1) * batch_per_rank
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    loss = dnn.all_reduce(local_loss(x[lo:hi], y[lo:hi], a, b))
+    with CountCollectives() as cnt:
+        loss.backward()
+    out["tdnn"] = dict(calls=dict(cnt.calls), bytes=cnt.bytes,
+                       err=max(rel_err(a.grad, true[0]), rel_err(b.grad, true[1])),
+                       ratio=(a.grad.norm() / true[0].norm()).item())
+    # ... and the usual fix-up: all-reduce the replicated weights' gradients (DDP-style).
+    with CountCollectives() as cnt2:
+        for p in (a, b):
+            dist.all_reduce(p.grad)
+    calls = dict(out["tdnn"]["calls"])
+    for k, v in cnt2.calls.items():
+        calls[k] = calls.get(k, 0) + v
+    out["tdnn+ddp"] = dict(calls=calls, bytes=out["tdnn"]["bytes"] + cnt2.bytes,
+                           err=max(rel_err(a.grad, true[0]), rel_err(b.grad, true[1])),
+                           ratio=(a.grad.norm() / true[0].norm()).item())
+
+    # Step time, interleaved (forward + backward; checks off and on for shmap).
+    times = {"shmap": [], "shmap+checks": [], "tdnn+ddp": []}
+    for _ in range(steps):
+        for checks, key in ((False, "shmap"), (True, "shmap+checks")):
+            shmap.configure_distributed(check_collectives=checks)
+            a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(x, y, a, b).full_tensor().backward()
+            times[key].append(time.perf_counter() - t0)
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dnn.all_reduce(local_loss(x[lo:hi], y[lo:hi], a, b)).backward()
+        for p in (a, b):
+            dist.all_reduce(p.grad)
+        times["tdnn+ddp"].append(time.perf_counter() - t0)
+    shmap.configure_distributed(check_collectives=True)
+    out["times"] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+# --------------------------------------------------------------------------
+def _us(t):
+    return f"{t * 1e6:9.0f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    ap.add_argument("--worlds", default="2,4")
+    args = ap.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"torch {torch.__version__}, gloo on {os.cpu_count()} CPU cores (load average "
+          f"{os.getloadavg()[0]:.1f} at start).\n")
+    print("Part 1: one collective on each device's block; microseconds per call (median; the four variants")
+    print("  alternate call by call, each call after a barrier, so the machine's load hits each alike).")
+    print("  raw: torch.distributed in place on preallocated buffers; raw+alloc: the same call writing a fresh")
+    print("  output (a clone for all_reduce), as any functional API must; shmap: in a shard_map body, signature")
+    print("  checks off; +checks: the default. Ratios: shmap / raw, shmap / raw+alloc, +checks / raw.")
+    head = (f"{'world':>5} {'size':>7} {'collective':>13} {'raw':>9} {'raw+alloc':>9} {'shmap':>9} "
+            f"{'/raw':>6} {'/alloc':>6} {'+checks':>9} {'/raw':>6}")
+    print(head)
+    print("-" * len(head))
+    for world in worlds:
+        res = shmap.spawn(collective_worker, SIZES, args.quick, nprocs=world, timeout=600)[0]
+        for (label, name), t in res.items():
+            print(f"{world:>5} {label:>7} {name:>13} {_us(t['raw'])} {_us(t['raw+alloc'])} {_us(t['shmap'])} "
+                  f"{t['shmap'] / t['raw']:6.2f} {t['shmap'] / t['raw+alloc']:6.2f} {_us(t['shmap+checks'])} "
+                  f"{t['shmap+checks'] / t['raw']:6.2f}")
+    print("\nPart 2: data-parallel loss/grad step (MLP 512-512-1, 64 rows per rank); every rank computes the "
+          "same global loss.")
+    print("Backward-pass torch.distributed collectives and bytes; gradient error vs the single-process "
+          "gradient (relative; |grad|/|true| in brackets).")
+    for world in worlds:
+        r = shmap.spawn(dp_worker, 512, 512, 64, 5 if args.quick else 25, nprocs=world, timeout=300)[0]
+        print(f"\n  world {world}:")
+        for key, what in (("shmap", "shmap (psum of the loss; pvary'd weights)"),
+                          ("tdnn", "torch.distributed.nn.functional.all_reduce"),
+                          ("tdnn+ddp", "  ... + all_reduce of each weight's gradient")):
+            v = r[key]
+            n = sum(v["calls"].values())
+            print(f"    {what:<48} {n} collectives {v['calls']}, {v['bytes']:>8} bytes; "
+                  f"grad error {v['err']:.2e} (x{v['ratio']:.2f})")
+        s, t = r["shmap"], r["tdnn+ddp"]
+        print(f"    shmap's comm_log agrees: {s['log']} , {s['log_bytes']} bytes")
+        print(f"    shmap saves {sum(t['calls'].values()) - sum(s['calls'].values())} collective(s) and "
+              f"{t['bytes'] - s['bytes']} bytes per step vs the torch.distributed.nn version, whose gradient is "
+              f"x{t['ratio']:.2f} (world size {world}) once all-reduced, and unsynchronised before.")
+        tm = r["times"]
+        print(f"    step time (median): shmap {tm['shmap'] * 1e3:.2f} ms, "
+              f"with checks {tm['shmap+checks'] * 1e3:.2f} ms, torch.distributed.nn+DDP {tm['tdnn+ddp'] * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

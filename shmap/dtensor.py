@@ -1,0 +1,274 @@
+"""Global values on a mesh: DTensor interop, `device_put`, `visualize_sharding`.
+
+On a distributed mesh the global values at a shard_map boundary are PyTorch
+`DTensor`s: a spec and a tuple of DTensor placements (one per mesh axis) say
+the same thing, so a DTensor laid out as the in_spec is used in place (its
+local tensor *is* the block), and outputs come back as DTensors placed by
+their out_specs.  A spec entry naming several axes in mesh order is one
+`Shard` per axis; in any other order (e.g. `P(('j', 'i'))` on mesh (i, j)) the
+more major axes that come later in the mesh are `_StridedShard`s, DTensor's
+encoding of exactly that block order.  A pending sum (`P(..., unreduced=...)`)
+is `Partial()` along its axes.
+
+On a simulated mesh there is one process holding every device, so a global
+value is just a tensor: `device_put` returns it (on the mesh's device) and the
+spec only matters when it is passed to `shard_map`.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from .mesh import Mesh, PartitionSpec
+
+
+def is_dtensor(x) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(x, DTensor)
+
+
+# --------------------------------------------------------------------------
+# Specs <-> placements
+# --------------------------------------------------------------------------
+def placements(mesh: Mesh, spec: PartitionSpec) -> tuple:
+    """The DTensor placements (one per mesh axis) that lay a value out as `spec` on `mesh`.
+
+    For a dimension split over axes `(a_1, ..., a_k)` (major first), axis `a`
+    gets `Shard(d)` when no more-major axis of the tuple comes after it in the
+    mesh, and `_StridedShard(d, split_factor=f)` otherwise, `f` being the
+    product of the sizes of those axes.  Axes the spec lists as `unreduced`
+    (a pending sum) are `Partial()`.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    pos = {a: k for k, a in enumerate(mesh.axis_names)}
+    out = [Partial() if a in spec.unreduced else Replicate() for a in mesh.axis_names]
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        for t, a in enumerate(axes):
+            sf = math.prod(mesh.shape[b] for b in axes[:t] if pos[b] > pos[a])
+            out[pos[a]] = Shard(d) if sf == 1 else _strided(d, sf)
+    return tuple(out)
+
+
+def _strided(dim, split_factor):
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - torch too old
+        raise NotImplementedError(
+            "this torch has no DTensor _StridedShard, so a spec entry whose axes are not in mesh order "
+            "(e.g. P(('j', 'i')) on mesh (i, j)) cannot be a DTensor. Fix: list the axes in mesh order, "
+            "or upgrade torch."
+        ) from None
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def spec_from_placements(mesh: Mesh, pls, ndim: int) -> PartitionSpec:
+    """The spec of a DTensor layout (inverse of `placements`); `Partial()` is `unreduced`."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    per_dim: dict = {}
+    unreduced = set()
+    for a, p in zip(mesh.axis_names, pls):
+        if isinstance(p, Replicate):
+            continue
+        if p == Partial():
+            unreduced.add(a)
+            continue
+        d = getattr(p, "dim", None)
+        if d is None:
+            raise ValueError(
+                f"spec_from_placements: placement {p} on mesh axis {a!r} is a pending reduction other than a "
+                "sum, which a PartitionSpec cannot express. Fix: x.redistribute(x.device_mesh, "
+                "[Replicate() if p.is_partial() else p for p in x.placements]) first."
+            )
+        per_dim.setdefault(d % max(ndim, 1), []).append(a)
+    entries = [None] * ndim
+    for d, axes in per_dim.items():
+        for order in itertools.permutations(axes):
+            got = placements(mesh, PartitionSpec(*([None] * d + [order])))
+            if all(got[mesh.axis_names.index(a)] == pls[mesh.axis_names.index(a)] for a in axes):
+                entries[d] = order if len(order) > 1 else order[0]
+                break
+        else:
+            raise ValueError(f"spec_from_placements: no spec lays dimension {d} out as {tuple(pls)}.")
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries, unreduced=frozenset(unreduced))
+
+
+def global_shape(block_shape, mesh: Mesh, spec: PartitionSpec) -> tuple:
+    return tuple(
+        s * math.prod(mesh.shape[a] for a in spec.dim_axes(d)) for d, s in enumerate(block_shape)
+    )
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+# --------------------------------------------------------------------------
+# The shard_map boundary on a distributed mesh
+# --------------------------------------------------------------------------
+def local_block(x, mesh: Mesh, spec: PartitionSpec):
+    """This rank's block of DTensor `x` laid out as `spec` (no data movement), or a clear error."""
+    from .backends.distributed import check_dtensor_layout
+
+    check_dtensor_layout(x, mesh, spec, placements(mesh, spec))
+    return x.to_local()
+
+
+def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
+    """A DTensor placed by `spec` whose local tensor is `block` (differentiable, no data movement)."""
+    from torch.distributed.tensor import DTensor
+
+    logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
+    shape = global_shape(logical_shape, mesh, spec)
+    return DTensor.from_local(
+        block, mesh.device_mesh, placements(mesh, spec), run_check=False,
+        shape=torch.Size(shape), stride=_contiguous_stride(shape),
+    )
+
+
+# --------------------------------------------------------------------------
+# device_put
+# --------------------------------------------------------------------------
+def device_put(x, mesh: Mesh, spec: PartitionSpec):
+    """Lay the global value `x` out on `mesh` as `spec`.
+
+    - Distributed mesh: returns a `DTensor` placed by `spec`.  A plain tensor is
+      a global value every rank holds: each rank keeps its block (no
+      communication; the gradient of `x` is whole on every rank); with
+      `unreduced` axes it becomes a pending sum held by their first device.
+      A DTensor is redistributed (this is the explicit reshard a mismatched
+      shard_map argument needs).
+    - Simulated mesh: returns the global tensor itself (on the mesh's device),
+      a DTensor gathered first; every device of a simulated mesh lives in this
+      process, so a layout is only cut when the value enters a shard_map.
+    """
+    from .shard_map import _check_spec
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"device_put: mesh must be a shmap.Mesh, got {type(mesh).__name__}.")
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    _check_spec(spec, "spec", x.shape, mesh, mesh.axis_names, "device_put", what="x")
+    if not mesh.is_distributed:
+        if is_dtensor(x):
+            x = x.full_tensor()
+        return x.to(mesh.device) if mesh.device is not None else x
+    target = placements(mesh, spec)
+    if is_dtensor(x):
+        if x.device_mesh == mesh.device_mesh:
+            if tuple(x.placements) == target:
+                return x
+            try:
+                return x.redistribute(mesh.device_mesh, target)
+            except Exception:  # noqa: BLE001 - layouts DTensor cannot convert directly
+                pass
+        x = x.full_tensor()
+    if mesh.device is not None and x.device != mesh.device:
+        x = x.to(mesh.device)
+    from . import context
+    from .backends import for_mesh
+
+    backend = for_mesh(mesh)
+    body = context.Body(mesh=mesh, axes=mesh.axis_names, check_vma=True, backend=backend)
+    block, _ = backend.split(x, spec, body)
+    return from_block(block, mesh, spec)
+
+
+# --------------------------------------------------------------------------
+# visualize_sharding
+# --------------------------------------------------------------------------
+def visualize_sharding(x, mesh: Mesh | None = None, spec: PartitionSpec | None = None) -> str:
+    """A text picture of which device holds which block of a global value.
+
+    `x` is a tensor, a DTensor (mesh and spec default to its own) or a shape.
+    Works for simulated and distributed meshes alike (devices are ranks on a
+    distributed mesh).  Returns the picture; `print` it.
+    """
+    if is_dtensor(x):
+        if mesh is None:
+            dm = x.device_mesh
+            mesh = Mesh(dm.mesh, dm.mesh_dim_names or tuple(f"dim{k}" for k in range(dm.ndim)), device_mesh=dm)
+        if spec is None:
+            spec = spec_from_placements(mesh, tuple(x.placements), x.dim())
+    if mesh is None or spec is None:
+        raise TypeError(
+            "visualize_sharding: give the mesh and the spec, e.g. visualize_sharding(x, mesh, P('i')) "
+            "(they default to a DTensor's own)."
+        )
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(int(s) for s in x)
+    from .shard_map import _check_spec
+
+    _check_spec(spec, "spec", shape, mesh, mesh.axis_names, "visualize_sharding", what="the value")
+    blocks: dict = {}
+    for coords in itertools.product(*(range(s) for s in mesh.axis_sizes)):
+        c = dict(zip(mesh.axis_names, coords))
+        box = []
+        for d, size in enumerate(shape):
+            axes = spec.dim_axes(d)
+            n = math.prod(mesh.shape[a] for a in axes)
+            idx = 0
+            for a in axes:
+                idx = idx * mesh.shape[a] + c[a]
+            b = size // n
+            box.append((idx * b, idx * b + b))
+        blocks.setdefault(tuple(box), []).append(int(mesh.devices[coords]))
+    who = "rank" if mesh.is_distributed else "device"
+    head = f"global shape {shape} as {spec} on mesh {mesh.describe()}" + (
+        " (one process per device)" if mesh.is_distributed else " (simulated)"
+    )
+    if spec.unreduced:
+        head += (f"\na pending sum over {', '.join(repr(a) for a in mesh.axis_names if a in spec.unreduced)}: "
+                 f"each {who} listed holds one term of its block")
+    legend = f"{who} = ({', '.join(mesh.axis_names)}): " + ", ".join(
+        f"{int(mesh.devices[c])} = {c}" for c in itertools.product(*(range(s) for s in mesh.axis_sizes))
+    )
+    if len(shape) == 0:
+        return "\n".join([head, f"scalar, held whole by every {who}: " + _devs(next(iter(blocks.values()))),
+                          legend])
+    if len(shape) > 2:
+        lines = [head]
+        for box, devs in sorted(blocks.items()):
+            lines.append(f"  [{', '.join(f'{a}:{b}' for a, b in box)}] on {who} {_devs(devs)}")
+        return "\n".join(lines + [legend])
+    return "\n".join([head, _grid(shape, blocks), legend])
+
+
+def _devs(devs) -> str:
+    return ", ".join(str(d) for d in sorted(devs))
+
+
+def _grid(shape, blocks) -> str:
+    """A box picture: rows are ranges of dimension 0 (if 2-D), columns of the last dimension."""
+    two = len(shape) == 2
+    rows = sorted({b[0] for b in blocks}) if two else [None]
+    cols = sorted({b[-1] for b in blocks})
+    cell = {}
+    for box, devs in blocks.items():
+        cell[(box[0] if two else None, box[-1])] = _devs(devs)
+    width = max(len(v) for v in cell.values()) + 2
+    col_labels = [f"{a}:{b}" for a, b in cols]
+    width = max(width, max(len(c) for c in col_labels) + 2)
+    row_labels = [f"{r[0]}:{r[1]}" if r else "" for r in rows]
+    lw = max(len(r) for r in row_labels)
+    pad = " " * (lw + 1)
+    lines = [pad + " " + "".join(c.center(width + 1) for c in col_labels)]
+    lines.append(pad + "┌" + "┬".join("─" * width for _ in cols) + "┐")
+    for k, (r, label) in enumerate(zip(rows, row_labels)):
+        lines.append(label.rjust(lw) + " │" + "│".join(cell[(r, c)].center(width) for c in cols) + "│")
+        if k < len(rows) - 1:
+            lines.append(pad + "├" + "┼".join("─" * width for _ in cols) + "┤")
+    lines.append(pad + "└" + "┴".join("─" * width for _ in cols) + "┘")
+    return "\n".join(lines)

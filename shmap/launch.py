@@ -1,0 +1,168 @@
+"""`shmap.spawn`: run a function on N local processes forming a torch.distributed world.
+
+`torchrun` is the launcher for real jobs (docs/distributed.md).  This is for
+tests, benchmarks and quick experiments on one machine: it hosts the
+rendezvous store in the calling process (so the store outlives any rank),
+starts one process per rank, returns every rank's result, and turns failures
+into one exception that says what each rank did.  It never leaves a process
+running: ranks still alive once the others are done are given a short grace
+period and then killed.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+from .backends.watchdog import DistributedError
+
+
+class SpawnError(DistributedError):
+    """At least one rank of `shmap.spawn` failed; `.errors` maps rank -> (type name, message, traceback)."""
+
+    def __init__(self, message, errors, results):
+        super().__init__(message)
+        self.errors = errors
+        self.results = results
+
+
+def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, grace: float = 10.0,
+          env: dict | None = None):
+    """Run `fn(*args)` on `nprocs` processes of a fresh torch.distributed world; list of results by rank.
+
+    `fn` must be importable (a module-level function); its results must be
+    picklable.  `timeout` is the process groups' timeout in seconds (a bound
+    on any hang); `grace` how long ranks may outlive the first failure before
+    they are killed.  Raises `SpawnError` naming each failed rank and its
+    exception, root causes first.
+    """
+    import torch.distributed as dist
+
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    out = ctx.Queue()
+    # fn travels pickled, unpickled after the child has this process's sys.path.
+    job = pickle.dumps((fn, args))
+    procs = [
+        ctx.Process(target=_worker, args=(job, list(sys.path), r, nprocs, store.port, backend, timeout,
+                                          env or {}, out), daemon=True)
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    results, errors, dead = {}, {}, {}
+    first_failure = None
+    deadline = time.monotonic() + timeout * 4 + 60
+    try:
+        while len(results) + len(errors) < nprocs:
+            now = time.monotonic()
+            if first_failure is not None and now > first_failure + grace:
+                break
+            if now > deadline:
+                break
+            try:
+                rank, ok, payload = out.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r in results or r in errors or p.is_alive():
+                        continue
+                    dead.setdefault(r, time.monotonic())
+                    # A result put just before exiting may still be in the pipe: give it a moment.
+                    if p.exitcode != 0 or time.monotonic() - dead[r] > 2.0:
+                        errors[r] = ("ProcessDied", f"exited with code {p.exitcode} without a result", "")
+                        first_failure = first_failure or time.monotonic()
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                first_failure = first_failure or time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, 2.0 if errors or len(results) < nprocs else 10.0))
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+                if r not in results and r not in errors:
+                    why = (f"still running {grace:g} s after the first failure" if first_failure is not None
+                           else "still running at the deadline (4 x timeout + 60 s)")
+                    errors[r] = ("Killed", why + "; killed", "")
+        del store
+    if errors:
+        raise SpawnError(_summary(errors, nprocs), errors, results)
+    return [results[r] for r in range(nprocs)]
+
+
+def _summary(errors, nprocs) -> str:
+    def key(item):
+        name = item[1][0]
+        secondary = name in ("RankFailedError", "CollectiveTimeoutError", "Killed", "ProcessDied")
+        return (secondary, item[0])
+
+    lines = [f"shmap.spawn: {len(errors)} of {nprocs} ranks failed:"]
+    for r, (name, msg, _) in sorted(errors.items(), key=key):
+        first = msg.strip().splitlines()[0] if msg.strip() else ""
+        lines.append(f"  rank {r}: {name}: {first}")
+    root = sorted(errors.items(), key=key)[0]
+    if root[1][2]:
+        lines.append(f"traceback of rank {root[0]}:\n{root[1][2]}")
+    return "\n".join(lines)
+
+
+def _context():
+    """forkserver where available: torch is imported once by the server, not by every rank."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # DTensor.from_local imports torch._dynamo on first use: ~1 s per rank unless preloaded.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+                                    "shmap"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _worker(job, path, rank, world, port, backend, timeout, env, out):
+    os.environ.update({k: str(v) for k, v in env.items()})
+    sys.path[:] = path + [p for p in sys.path if p not in path]
+    import torch
+    import torch.distributed as dist
+
+    from .backends import watchdog
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+    try:
+        fn, args = pickle.loads(job)
+        result = fn(*args)
+        payload = pickle.dumps(result)
+    except BaseException as e:  # noqa: BLE001 - reported to the peers and the parent
+        watchdog.report_failure(e)
+        out.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+        _finish(out, failed=True)
+        return
+    out.put((rank, True, payload))
+    _finish(out, failed=False)
+
+
+def _finish(out, failed):
+    from .backends import watchdog
+
+    out.close()
+    out.join_thread()
+    w = watchdog._WATCH
+    if failed or (w is not None and w.poisoned):
+        watchdog._hard_exit(1 if failed else 0)
+    import torch.distributed as dist
+
+    watchdog.report_exit()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,177 @@
+"""Per-rank checks of the shard_map boundary on a distributed mesh (DTensor in, DTensor out)."""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+import shmap
+from shmap import P
+
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _block(x, mesh, spec, coords):
+    """The block of global `x` that the device at `coords` holds (by the spec's definition)."""
+    for d in range(len(spec)):
+        axes = spec.dim_axes(d)
+        if not axes:
+            continue
+        n, idx = 1, 0
+        for a in axes:
+            idx = idx * mesh.shape[a] + coords[a]
+            n *= mesh.shape[a]
+        b = x.shape[d] // n
+        x = x.narrow(d, idx * b, b)
+    return x
+
+
+def dtensor_boundary():
+    """Returns a list of failed checks (empty when all hold)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    bad = []
+
+    def check(cond, what):
+        if not cond:
+            bad.append(what)
+
+    rank = dist.get_rank()
+    mesh = shmap.make_mesh((2, 2), ("i", "j"))
+    coords = dict(zip(mesh.axis_names, divmod(rank, 2)))
+    x = torch.arange(32.0, dtype=torch.float64).reshape(8, 4)
+
+    # device_put: a plain global value -> DTensor; tuple entries in both orders.
+    for spec, want in [
+        (P(("i", "j")), (Shard(0), Shard(0))),
+        (P(("j", "i")), (_StridedShard(0, split_factor=2), Shard(0))),
+        (P("j", "i"), (Shard(1), Shard(0))),
+        (P(None, "j"), (Replicate(), Shard(1))),
+        (P(), (Replicate(), Replicate())),
+    ]:
+        dt = shmap.device_put(x, mesh, spec)
+        check(tuple(dt.placements) == want, f"device_put {spec}: placements {dt.placements} != {want}")
+        check(torch.equal(dt.to_local(), _block(x, mesh, spec, coords)), f"device_put {spec}: wrong block")
+        check(torch.equal(dt.full_tensor(), x), f"device_put {spec}: full_tensor differs")
+
+    # A DTensor laid out as the in_spec is used in place (its local tensor is the block).
+    dt = shmap.device_put(x, mesh, P(("j", "i")))
+    seen = {}
+
+    def body(b):
+        seen["ptr"] = b._phys.data_ptr()
+        seen["repr"] = repr(b)
+        return shmap.psum(b * 2, "i")
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=P(("j", "i")), out_specs=P("j"))
+    y = f(dt)
+    check(seen["ptr"] == dt.to_local().data_ptr(), "matching DTensor was copied instead of used in place")
+    here = f"rank {rank} (i={coords['i']}, j={coords['j']}): tensor("
+    check(here in seen["repr"] and "varying along {'i', 'j'}" in seen["repr"], f"printout: {seen['repr']}")
+    sim = shmap.shard_map(lambda b: shmap.psum(b * 2, "i"), mesh=shmap.make_mesh((2, 2), ("i", "j"),
+                          distributed=False), in_specs=P(("j", "i")), out_specs=P("j"))(x)
+    check(torch.allclose(y.full_tensor(), sim), "DTensor input: output differs from the simulated mesh")
+    check(tuple(y.placements) == (Replicate(), Shard(0)), f"output placements {y.placements}")
+
+    # A mismatched layout is refused with the fix; device_put is the explicit reshard.
+    try:
+        f(shmap.device_put(x, mesh, P("i")))
+        bad.append("mismatched DTensor layout was accepted")
+    except shmap.SpecError as e:
+        check("device_put" in str(e) and "P(('j', 'i'))" in str(e), f"unhelpful message: {e}")
+    y2 = f(shmap.device_put(shmap.device_put(x, mesh, P("i")), mesh, P(("j", "i"))))
+    check(torch.allclose(y2.full_tensor(), sim), "resharded DTensor input: output differs")
+
+    # Gradients flow back to a DTensor leaf with its own placements.
+    leaf = shmap.device_put(x, mesh, P(("j", "i"))).detach().requires_grad_()
+    (f(leaf).full_tensor() ** 2).sum().backward()
+    xs = x.clone().requires_grad_()
+    sim_f = shmap.shard_map(lambda b: shmap.psum(b * 2, "i"), mesh=shmap.make_mesh((2, 2), ("i", "j"),
+                            distributed=False), in_specs=P(("j", "i")), out_specs=P("j"))
+    (sim_f(xs) ** 2).sum().backward()
+    check(tuple(leaf.grad.placements) == tuple(leaf.placements), f"grad placements {leaf.grad.placements}")
+    check(torch.allclose(leaf.grad.full_tensor(), xs.grad), "DTensor leaf gradient differs")
+
+    # Outputs: tuple entries in both orders, unmapped axes, scalars.
+    g = shmap.shard_map(
+        lambda b: (b, shmap.psum(b, ("i", "j")), shmap.psum(b.sum(), ("j", "i")), shmap.psum(b, "i")),
+        mesh=mesh, in_specs=P(("j", "i")), out_specs=(P(("j", "i")), P(), P(), P("j")))
+    outs = g(x)
+    want_pl = [(_StridedShard(0, split_factor=2), Shard(0)), (Replicate(), Replicate()),
+               (Replicate(), Replicate()), (Replicate(), Shard(0))]
+    check([tuple(o.placements) for o in outs] == want_pl, f"output placements {[o.placements for o in outs]}")
+    check(torch.equal(outs[0].full_tensor(), x), "P(('j','i')) round trip differs")
+    check(outs[2].full_tensor().item() == x.sum().item(), "scalar psum differs")
+
+    # visualize_sharding reads a DTensor's own layout.
+    pic = shmap.visualize_sharding(outs[0])
+    check(pic == shmap.visualize_sharding(x, mesh, P(("j", "i"))), "visualize_sharding(DTensor) differs")
+    check("0:2" in pic and "rank" in pic, f"picture:\n{pic}")
+
+    # make_mesh names both sizes when the shape does not fit the world.
+    try:
+        shmap.make_mesh((3,), ("i",))
+        bad.append("make_mesh((3,)) on a world of 4 was accepted")
+    except ValueError as e:
+        check("3" in str(e) and "4" in str(e) and "distributed=False" in str(e), f"make_mesh message: {e}")
+
+    # A DTensor given to a simulated mesh is refused with the fix.
+    try:
+        shmap.shard_map(lambda b: b, mesh=shmap.make_mesh((2, 2), ("i", "j"), distributed=False),
+                        in_specs=P("i"), out_specs=P("i"))(dt)
+        bad.append("DTensor on a simulated mesh was accepted")
+    except TypeError as e:
+        check("full_tensor" in str(e), f"message: {e}")
+
+    # A pending sum (Partial DTensor) is used in place as an unreduced input.
+    part = shmap.device_put(x, mesh, P("j", unreduced={"i"}))
+    check(tuple(part.placements) == (Partial(), Shard(0)), f"unreduced placements {part.placements}")
+    check(torch.equal(part.full_tensor(), x), "Partial DTensor's value differs")
+    seen.clear()
+    h = shmap.shard_map(body, mesh=mesh, in_specs=P("j", unreduced={"i"}), out_specs=P("j"))
+    check(torch.allclose(h(part).full_tensor(), 2 * x), "unreduced input: wrong psum")
+    check(seen["ptr"] == part.to_local().data_ptr(), "Partial DTensor was copied instead of used in place")
+    check("pending sum over 'i'" in shmap.visualize_sharding(part), shmap.visualize_sharding(part))
+    # A pending max has no spec.
+    from torch.distributed.tensor import DTensor
+    pmax = DTensor.from_local(torch.ones(2), mesh.device_mesh, (Partial("max"), Replicate()), run_check=False)
+    try:
+        shmap.visualize_sharding(pmax)
+        bad.append("visualize_sharding of a Partial('max') DTensor was accepted")
+    except ValueError as e:
+        check("Partial" in str(e) or "pending reduction" in str(e), f"message: {e}")
+    return bad
+
+
+def strided_three_axes():
+    """On a (2, 2, 2) mesh of 8 ranks: every order of a 3-axis tuple entry, through DTensor."""
+    import torch.distributed as dist
+
+    bad = []
+    rank = dist.get_rank()
+    mesh = shmap.make_mesh((2, 2, 2), ("i", "j", "k"))
+    sim = shmap.make_mesh((2, 2, 2), ("i", "j", "k"), distributed=False)
+    coords = dict(zip(mesh.axis_names, [(rank >> 2) & 1, (rank >> 1) & 1, rank & 1]))
+    x = torch.arange(16.0, dtype=torch.float64).reshape(16, 1)
+    for order in itertools.permutations(("i", "j", "k")):
+        spec = P(order)
+        dt = shmap.device_put(x, mesh, spec)
+        if not torch.equal(dt.to_local(), _block(x, mesh, spec, coords)):
+            bad.append(f"{spec}: local block {dt.to_local().flatten().tolist()}")
+        if not torch.equal(dt.full_tensor(), x):
+            bad.append(f"{spec}: full_tensor {dt.full_tensor().flatten().tolist()}")
+        body = lambda b: shmap.ppermute(b, order, [(t, (t + 1) % 8) for t in range(8)])  # noqa: E731
+        out = shmap.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(dt)
+        want = shmap.shard_map(body, mesh=sim, in_specs=spec, out_specs=spec)(x)
+        if not torch.equal(out.full_tensor(), want):
+            bad.append(f"{spec}: shard_map output {out.full_tensor().flatten().tolist()}")
+        # A group over two of the three axes (a subgroup created on first use).
+        body2 = lambda b: shmap.psum(b, ("k", "i"))  # noqa: E731
+        out2 = shmap.shard_map(body2, mesh=mesh, in_specs=spec, out_specs=P("j"))(dt)
+        want2 = shmap.shard_map(body2, mesh=sim, in_specs=spec, out_specs=P("j"))(x)
+        if not torch.equal(out2.full_tensor(), want2):
+            bad.append(f"{spec}: psum over ('k', 'i') {out2.full_tensor().flatten().tolist()}")
+    return bad
