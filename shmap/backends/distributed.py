@@ -61,7 +61,7 @@ class Group:
     the two agree.
     """
 
-    __slots__ = ("axes", "n", "index", "ranks", "g2t", "t2g", "_backend", "_pg", "gloo")
+    __slots__ = ("axes", "n", "index", "ranks", "g2t", "t2g", "_backend", "_pg", "gloo", "_shm")
 
     def __init__(self, axes, n, index, ranks, g2t, backend):
         self.axes, self.n, self.index, self.ranks, self._backend = axes, n, index, ranks, backend
@@ -69,6 +69,7 @@ class Group:
         self.t2g = None if g2t is None else [g2t.index(t) for t in range(n)]
         self._pg = None
         self.gloo = True
+        self._shm = None
 
     def pg(self):
         """The process group, created on first use.
@@ -80,6 +81,25 @@ class Group:
             self._pg = self._backend._pg(mesh_order_of(self.axes, self._backend.mesh))
             self.gloo = "gloo" in str(_dist().get_backend(self._pg)).lower()
         return self._pg
+
+    def shm(self, x):
+        """This group's shared-memory transport when configured and `x` is on the CPU, else None.
+
+        Its ranks are the process group's, so the same position permutations apply.
+        """
+        from .watchdog import _OPTIONS
+
+        if _OPTIONS["transport"] != "shm" or x.device.type != "cpu":
+            return None
+        if self._shm is None:
+            from ..kernels.transport import ShmTransport
+
+            self._shm = ShmTransport.from_process_group(self.pg())
+        return self._shm
+
+    def torch_ranks(self, positions):
+        """Process-group ranks of tuple positions."""
+        return list(positions) if self.t2g is None else [self.t2g[p] for p in positions]
 
 
 class Distributed:
@@ -384,9 +404,23 @@ def _all_reduce(x, g: Group, kind):
     if g.n == 1:
         return out
     dist = _dist()
+    shm = g.shm(out) if kind == "psum" else None
+    if shm is not None:
+        _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_reduce(out, out=out))
+        return out
     op = dist.ReduceOp.SUM if kind == "psum" else dist.ReduceOp.MAX if kind == "pmax" else dist.ReduceOp.MIN
     _run(g, kind, x.shape, x.dtype, lambda pg: dist.all_reduce(out, op=op, group=pg, async_op=True))
     return out
+
+
+def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
+    """As `_run`, with the data moved by the group's shared-memory transport."""
+    w = g._backend.watch
+    with torch.no_grad():
+        w.verify(w.begin(kind, g.axes, shape, dtype, extra))
+        result = fn()
+    w.done()
+    return result
 
 
 def _gather_rows(x, g: Group, kind, extra=""):
@@ -395,9 +429,13 @@ def _gather_rows(x, g: Group, kind, extra=""):
     if g.n == 1:
         return x.unsqueeze(0).clone()
     dist = _dist()
-    out = x.new_empty((g.n, x.numel()))
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _run(g, kind, x.shape, x.dtype, lambda pg: fn(out, x.reshape(1, -1), group=pg, async_op=True), extra)
+    shm = g.shm(x)
+    if shm is not None:
+        out = _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_gather(x.reshape(-1)), extra)
+    else:
+        out = x.new_empty((g.n, x.numel()))
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        _run(g, kind, x.shape, x.dtype, lambda pg: fn(out, x.reshape(1, -1), group=pg, async_op=True), extra)
     if g.g2t is not None:
         out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
     return out.view(g.n, *x.shape)
@@ -425,11 +463,16 @@ def _psum_scatter(x, g: Group, dim, tiled):
     dist = _dist()
     if g.g2t is not None:  # row r of the input goes to group rank r
         chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
+    extra = f"scatter_dimension={dim}, tiled={tiled}"
+    shm = g.shm(x)
+    if shm is not None:
+        inp = chunks.reshape(g.n, -1).contiguous()
+        out = _run_shm(g, "psum_scatter", x.shape, x.dtype, lambda: shm.reduce_scatter(inp), extra)
+        return out.reshape(chunks.shape[1:])
     inp = chunks.reshape(-1).contiguous()
     out = inp.new_empty(inp.numel() // g.n)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    _run(g, "psum_scatter", x.shape, x.dtype, lambda pg: fn(out, inp, group=pg, async_op=True),
-         f"scatter_dimension={dim}, tiled={tiled}")
+    _run(g, "psum_scatter", x.shape, x.dtype, lambda pg: fn(out, inp, group=pg, async_op=True), extra)
     return out.view(chunks.shape[1:])
 
 
@@ -449,6 +492,10 @@ def _ppermute(x, g: Group, perm):
         return x.clone() if recv else torch.zeros_like(x)
     dist = _dist()
     x = x.contiguous()
+    shm = g.shm(x)
+    if shm is not None:
+        tperm = [tuple(g.torch_ranks((s, d))) for s, d in perm]
+        return _run_shm(g, "ppermute", x.shape, x.dtype, lambda: shm.ppermute(x, tperm), f"perm={list(perm)}")
     out = torch.empty_like(x) if recv else torch.zeros_like(x)  # a device with no source gets zeros
     if me in send and me in recv:
         out.copy_(x)
@@ -469,10 +516,14 @@ def _all_to_all(x, g: Group, split_axis, concat_axis, tiled):
         if g.g2t is not None:
             chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
         inp = chunks.contiguous()
-        out = torch.empty_like(inp)
-        _run(g, "all_to_all", x.shape, x.dtype,
-             lambda pg: dist.all_to_all_single(out, inp, group=pg, async_op=True),
-             f"split_axis={split_axis}, concat_axis={concat_axis}, tiled={tiled}")
+        extra = f"split_axis={split_axis}, concat_axis={concat_axis}, tiled={tiled}"
+        shm = g.shm(inp)
+        if shm is not None:
+            out = _run_shm(g, "all_to_all", x.shape, x.dtype, lambda: shm.all_to_all(inp), extra)
+        else:
+            out = torch.empty_like(inp)
+            _run(g, "all_to_all", x.shape, x.dtype,
+                 lambda pg: dist.all_to_all_single(out, inp, group=pg, async_op=True), extra)
         if g.g2t is not None:
             out = out.index_select(0, torch.tensor(g.t2g, device=x.device))
         chunks = out  # [src, *chunk]

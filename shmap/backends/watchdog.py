@@ -72,12 +72,14 @@ def _env_float(name: str):
 _OPTIONS = {
     "check_collectives": _env_flag("SHMAP_CHECK_COLLECTIVES", True),
     "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
+    "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
     "poll": 0.25,
     "exit_grace": 2.0,
 }
 
 
-def configure_distributed(*, check_collectives: bool | None = None, timeout: float | None = None) -> dict:
+def configure_distributed(*, check_collectives: bool | None = None, timeout: float | None = None,
+                          transport: str | None = None) -> dict:
     """Set how distributed collectives are guarded; returns the previous settings.
 
     - `check_collectives`: exchange a signature before each collective so that
@@ -88,9 +90,17 @@ def configure_distributed(*, check_collectives: bool | None = None, timeout: flo
     - `timeout`: seconds a collective may wait before `CollectiveTimeoutError`
       (default: the timeout given to `init_process_group`; env
       `SHMAP_COLLECTIVE_TIMEOUT`).
+    - `transport`: `'torch'` (torch.distributed: gloo / NCCL; the default) or
+      `'shm'`: CPU tensors move through `shmap.kernels.ShmTransport`, shared
+      memory between the processes of one host (env `SHMAP_TRANSPORT`).
+      pmax/pmin keep using torch.distributed.
     Must be set identically on every rank.
     """
-    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout")}
+    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport")}
+    if transport is not None:
+        if transport not in ("torch", "shm"):
+            raise ValueError(f"configure_distributed: transport must be 'torch' or 'shm', got {transport!r}.")
+        _OPTIONS["transport"] = transport
     if check_collectives is not None:
         _OPTIONS["check_collectives"] = bool(check_collectives)
     if timeout is not None:

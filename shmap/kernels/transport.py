@@ -101,6 +101,14 @@ def direct_all_reduce_kernel(x_ref, o_ref, inbox, gathered, local_sem, send_a, r
         c.wait_send()
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges intersect."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def one_shot_all_reduce_kernel(x_ref, o_ref, inbox, send_sem, recv_sem):
     """x, o (local): [L].  Everyone pushes all of x to everyone and sums locally: one round
     of synchronisation instead of two, for small tensors where latency dominates."""
@@ -257,7 +265,9 @@ class ShmTransport:
         """Elementwise sum over ranks, into `out` if given (may be x itself)."""
         n, es = self.world_size, x.element_size()
         flat = x.reshape(-1)
-        direct = out is not None and out.is_contiguous()
+        # Writing straight into `out` is only safe when it is not the input: peers read
+        # this rank's input while results land.
+        direct = out is not None and out.is_contiguous() and not _overlaps(out, x)
         result = out.view(-1) if direct else torch.empty_like(flat)
         numel = flat.numel()
         if numel * es <= self.one_shot_bytes and n * numel * es <= self.capacity - 8 * 64:

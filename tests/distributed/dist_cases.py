@@ -266,3 +266,12 @@ def fail_on_odd_ranks():
     if rank() % 2:
         raise KeyError(f"odd rank {rank()}")
     return rank()
+
+
+def run_hand_cases_over_shm(names=None, seed=0):
+    """The hand-written cases with collectives moved through shared memory (ShmTransport)."""
+    prev = shmap.configure_distributed(transport="shm")
+    try:
+        return run_hand_cases(names, seed)
+    finally:
+        shmap.configure_distributed(**prev)

@@ -51,6 +51,13 @@ def test_hand_written_programs_match_simulated():
     assert all(r == results[0] for r in results)
 
 
+def test_hand_written_programs_match_simulated_over_the_shared_memory_transport():
+    """shmap.kernels' shared-memory runtime as the CPU transport of the distributed mesh."""
+    results = shmap.spawn(dist_cases.run_hand_cases_over_shm, nprocs=WORLD, timeout=90)
+    assert results[0] == [], "\n\n".join(results[0])
+    assert all(r == results[0] for r in results)
+
+
 def test_generated_programs_match_simulated():
     cases = []
     for op in pg.COLLECTIVES + ("add_index",):

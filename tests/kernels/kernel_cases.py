@@ -181,9 +181,12 @@ def transport_rank(rank, world, name, capacities, results):
         tr = K.ShmTransport(f"{name}-{i}", rank, world, capacity=capacity, timeout=30)
         out = torch.empty_like(mine)
         tr.all_reduce(mine, out=out)
+        inplace = mine.clone()
+        tr.all_reduce(inplace, out=inplace)  # out may be the input itself
         checks = [
             ("all_reduce", tr.all_reduce(mine), sum(every)),
             ("all_reduce_out", out, sum(every)),
+            ("all_reduce_inplace", inplace, sum(every)),
             ("all_gather", tr.all_gather(mine[0]), torch.stack([e[0] for e in every])),
             ("reduce_scatter", tr.reduce_scatter(mine), sum(e[rank] for e in every)),
             ("all_to_all", tr.all_to_all(mine), torch.stack([e[rank] for e in every])),

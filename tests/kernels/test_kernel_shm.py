@@ -97,6 +97,6 @@ def test_transport_per_rank_processes():
     reports = dict(results.get() for _ in range(world))
     assert sorted(reports) == [0, 1, 2]
     for rank, report in reports.items():
-        assert len(report) == 12
+        assert len(report) == 14
         for check, err in report:
             assert err < 1e-4, f"rank {rank}: {check}: max abs error {err}"
