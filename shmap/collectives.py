@@ -111,6 +111,16 @@ def _dim(api, what, d, rank, allow_end=False):
     return d % hi if hi else 0
 
 
+def _check_split(api, axes, body, x, d, n, tiled, what):
+    """Dimension `d` is cut into `n` chunks (tiled) or is the `n` chunks (untiled)."""
+    if tiled and x.shape[d] % n:
+        raise _shape_error(api, axes, body, x, f"tiled=True needs {what} divisible by {n}",
+                           f"pad dimension {d} to a multiple of {n}")
+    if not tiled and x.shape[d] != n:
+        raise _shape_error(api, axes, body, x, f"tiled=False needs {what} to equal {n}",
+                           f"use tiled=True, or reshape so dimension {d} has size {n}")
+
+
 def _shape_error(api, axes, body, x, rule, fix):
     sizes = ", ".join(f"{a}={body.sizes[a]}" for a in axes)
     return CollectiveShapeError(
@@ -277,12 +287,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
         raise _shape_error(api, axes, body, x, "the operand needs a dimension to scatter",
                            "psum_scatter a value with at least one dimension")
     d = _dim(api, "scatter_dimension", scatter_dimension, x.dim())
-    if tiled and x.shape[d] % n:
-        raise _shape_error(api, axes, body, x, f"tiled=True needs dimension {d} divisible by {n}",
-                           f"pad dimension {d} to a multiple of {n}")
-    if not tiled and x.shape[d] != n:
-        raise _shape_error(api, axes, body, x, f"tiled=False needs dimension {d} to equal {n}",
-                           f"use tiled=True, or reshape so dimension {d} has size {n}")
+    _check_split(api, axes, body, x, d, n, tiled, f"dimension {d}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
     return _out(out, paxes, x._vma | set(axes), body)
@@ -364,12 +369,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
                            "all_to_all a value with at least one dimension")
     sa = _dim(api, "split_axis", split_axis, rank)
     ca = _dim(api, "concat_axis", concat_axis, rank)
-    if tiled and x.shape[sa] % n:
-        raise _shape_error(api, axes, body, x, f"tiled=True needs split_axis {sa} divisible by {n}",
-                           f"pad dimension {sa} to a multiple of {n}")
-    if not tiled and x.shape[sa] != n:
-        raise _shape_error(api, axes, body, x, f"tiled=False needs split_axis {sa} to equal {n}",
-                           f"use tiled=True, or reshape so dimension {sa} has size {n}")
+    _check_split(api, axes, body, x, sa, n, tiled, f"split_axis {sa}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.all_to_all(phys, x._paxes, axes, body, x.shape, sa, ca, tiled)
     return _out(out, paxes, x._vma | set(axes), body)

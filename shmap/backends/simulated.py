@@ -119,12 +119,7 @@ class Simulated:
     # psum: varying{A} -> invariant{A}        transpose: pvary
     # ------------------------------------------------------------------
     def psum(self, phys, paxes, axes, body, shape, unchecked):
-        dims = [paxes.index(a) for a in axes if a in paxes]
-        missing = [a for a in axes if a not in paxes]
-        out = phys.sum(dims) if dims else phys
-        if missing:
-            out = out * math.prod(body.sizes[a] for a in missing)
-        out_paxes = tuple(a for a in paxes if a not in axes)
+        out, out_paxes = _sum_over(phys, paxes, axes, body)
         ev = event("psum", axes, shape, phys.dtype)
         if unchecked:
             out = expand_to(out, out_paxes, paxes, body.sizes)
@@ -180,12 +175,7 @@ class Simulated:
     # ------------------------------------------------------------------
     def psum_scatter(self, phys, paxes, axes, body, shape, dim, tiled):
         n = math.prod(body.sizes[a] for a in axes)
-        dims = [paxes.index(a) for a in axes if a in paxes]
-        missing = [a for a in axes if a not in paxes]
-        s = phys.sum(dims) if dims else phys
-        if missing:
-            s = s * math.prod(body.sizes[a] for a in missing)
-        rest = tuple(a for a in paxes if a not in axes)
+        s, rest = _sum_over(phys, paxes, axes, body)
         k = len(rest)
         if tiled:
             s = s.unflatten(k + dim, (n, shape[dim] // n))
@@ -254,6 +244,17 @@ class Simulated:
     def _materialize(self, phys, paxes, axes, body):
         target = mesh_order(set(paxes) | set(axes), body)
         return expand_to(phys, paxes, target, body.sizes), target
+
+
+def _sum_over(phys, paxes, axes, body):
+    """Sum over the devices of `axes`: their leading dims, times the size of those the value
+    is broadcast along (typed varying by a lift, stored once). Returns (sum, remaining paxes)."""
+    dims = [paxes.index(a) for a in axes if a in paxes]
+    missing = [a for a in axes if a not in paxes]
+    out = phys.sum(dims) if dims else phys
+    if missing:
+        out = out * math.prod(body.sizes[a] for a in missing)
+    return out, tuple(a for a in paxes if a not in axes)
 
 
 def _gather_front(phys, paxes, axes, body):
