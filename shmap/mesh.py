@@ -177,7 +177,7 @@ def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None, d
         raise ValueError(f"make_mesh: every axis size must be >= 1, got shape {shape}.")
     n = math.prod(shape)
     if distributed is None:
-        distributed = _dist_initialized()
+        distributed = _real_world()
     if distributed:
         return _world_mesh(shape, names, device)
     return Mesh(torch.arange(n).reshape(shape), names, device=device)
@@ -187,6 +187,14 @@ def _dist_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _real_world() -> bool:
+    """An initialised world of real processes (not the single-process "fake" backend that
+    LocalTensor and DTensor tests use, which has no peers to talk to)."""
+    import torch.distributed as dist
+
+    return _dist_initialized() and str(dist.get_backend()).lower() != "fake"
 
 
 #: (shape, names, device type) -> (world group, Mesh): a DeviceMesh creates

@@ -35,3 +35,23 @@ def test_partition_spec_normalisation_and_equality():
     assert s.dim_axes(0) == ("i", "j") and s.dim_axes(1) == () and s.dim_axes(5) == ()
     assert s.axes() == ("i", "j", "k") and len(s) == 3 and repr(s) == "P(('i', 'j'), None, 'k')"
     assert not isinstance(s, tuple)  # never confused with a tuple of specs
+
+
+def test_a_fake_process_group_still_gets_a_simulated_mesh():
+    """LocalTensor / DTensor test set-ups initialise a single-process "fake" world; auto-detection
+    must not lay a distributed mesh over it (it has no peers)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed as dist, shmap\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "dist.init_process_group('fake', rank=0, world_size=8, store=FakeStore())\n"
+        "m = shmap.make_mesh((8,), ('b',))\n"
+        "assert not m.is_distributed\n"
+        "f = shmap.shard_map(lambda x: x * 2, mesh=m, in_specs=shmap.P('b'), out_specs=shmap.P('b'))\n"
+        "assert torch.equal(f(torch.arange(8.)), torch.arange(8.) * 2)\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
