@@ -1,0 +1,108 @@
+"""Checkpoints with `torch.distributed.checkpoint` (DCP), from any mesh to any mesh.
+
+A checkpoint is a directory `step_00000420/` holding DCP's files (parameters
+and Adam state, each rank writing only the blocks it holds; the host RNG) and
+`meta.json` (step, data position, model shape, mesh).  It is written to
+`step_00000420.tmp/` and renamed when complete, so an interrupted save never
+replaces a good checkpoint.  Loading asks DCP for the blocks this run's layout
+needs, whatever layout wrote them: saved on `fsdp=4`, resumed on
+`data=2,tensor=2`, simulated or under torchrun.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .config import Config, ConfigError
+
+KEEP = 3  # newest checkpoints kept; older ones are removed after a newer one is complete
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process (simulated-mesh) save and load that it is one; that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def latest(directory) -> Path | None:
+    """The newest complete checkpoint in `directory`, or None."""
+    d = Path(directory)
+    done = sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (p / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+def save(directory, cfg: Config, step: int, params, opt) -> Path:
+    """Write a checkpoint of the state after `step` steps; returns its directory."""
+    d = Path(directory)
+    final = d / f"step_{step:08d}"
+    tmp = d / f"step_{step:08d}.tmp"
+    if _is_main():
+        d.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    _barrier()
+    state = {"params": params, "opt": opt, "rng": torch.get_rng_state()}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    if _is_main():
+        meta = {"step": step, "data_position": step, "seed": cfg.seed, "model": cfg.model_shape(),
+                "mesh": cfg.describe_mesh(), "dtype": cfg.dtype}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def read_meta(path) -> dict:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def check_compatible(cfg: Config, path) -> dict:
+    """The checkpoint's metadata, after checking it was written by a model of this shape."""
+    meta = read_meta(path)
+    ours = cfg.model_shape()
+    diff = {k: (meta["model"].get(k), v) for k, v in ours.items() if meta["model"].get(k) != v}
+    if diff:
+        flags = ", ".join(f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in diff.items())
+        raise ConfigError(
+            f"--resume: the checkpoint {path} is of another model shape: it was written with {flags}. "
+            "Fix: resume with the checkpoint's model flags, or start a new run in another --checkpoint-dir.")
+    if meta.get("seed") != cfg.seed:
+        raise ConfigError(f"--resume: the checkpoint {path} was written with --seed {meta.get('seed')} (this run: "
+                          f"--seed {cfg.seed}); the data order depends on it. Fix: --seed {meta.get('seed')}.")
+    if meta["step"] > cfg.steps:
+        raise ConfigError(f"--resume: the checkpoint {path} is at step {meta['step']}, past --steps {cfg.steps}. "
+                          f"Fix: --steps {meta['step']} or more (the run's total).")
+    return meta
+
+
+def load(path, params, opt):
+    """Fill `params`/`opt` (laid out for this run's mesh) from the checkpoint at `path`, in place."""
+    state = {"params": params, "opt": opt, "rng": torch.get_rng_state()}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    torch.set_rng_state(state["rng"])
+    return state["params"], state["opt"]

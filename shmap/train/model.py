@@ -1,0 +1,219 @@
+"""The model: parameters, where each lives on the mesh, and the per-device forward.
+
+Parallelism is decided in one place, `Layout`, from the mesh alone:
+
+| axis     | batch       | weights                                   | collectives that follow           |
+|----------|-------------|-------------------------------------------|-----------------------------------|
+| `data`   | split       | replicated                                | backward: psum of every gradient  |
+| `fsdp`   | split       | sharded along one dim, gathered before use | fwd all_gather, bwd psum_scatter  |
+| `tensor` | replicated  | heads and MLP hidden units split           | psum after each row-parallel proj |
+
+The forward below is one per-device program for every mesh: it gathers what
+the specs say is sharded over `fsdp`, computes on its heads and hidden units,
+and sums the row-parallel projections over `tensor`.  Everything else — the
+gradient all-reduce of DP, the reduce-scatter of FSDP, Megatron's backward
+all-reduce before the column-parallel matmuls — is not written anywhere: it is
+the transpose of what the types say, inserted by shmap's autodiff.  With no mesh
+(`--mesh none`) the helpers are identities and the same code is plain PyTorch.
+"""
+from __future__ import annotations
+
+import math
+
+import optree
+import torch
+import torch.nn.functional as F
+
+import shmap
+from shmap import P
+
+from .config import AXES, Config
+
+
+class Layout:
+    """Which mesh axes split the batch, shard weights, or split heads — and the three
+    operations that follow from it.  Axes of size 1 are left out of the mesh."""
+
+    def __init__(self, mesh_sizes: dict | None):
+        sizes = {a: s for a, s in (mesh_sizes or {}).items() if s > 1}
+        self.sizes = sizes
+        self.batch = tuple(a for a in ("data", "fsdp") if a in sizes)   # the batch is split over these
+        self.fsdp = tuple(a for a in ("fsdp",) if a in sizes)           # weights are sharded over these
+        self.tensor = tuple(a for a in ("tensor",) if a in sizes)       # heads / hidden units split over these
+
+    def make_mesh(self):
+        """The shmap mesh (simulated, or over the torch.distributed world when one is initialised)."""
+        if not self.sizes:  # every axis of size 1: one device
+            return shmap.make_mesh((1,), ("data",))
+        return shmap.make_mesh(tuple(self.sizes.values()), tuple(self.sizes))
+
+    def spec(self, *dims) -> P:
+        """A PartitionSpec keeping only axes present in this mesh: spec('fsdp', 'tensor')."""
+        def keep(d):
+            if d is None:
+                return None
+            axes = tuple(a for a in ((d,) if isinstance(d, str) else d) if a in self.sizes)
+            return None if not axes else axes[0] if len(axes) == 1 else axes
+        entries = [keep(d) for d in dims]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    # --- the three operations a per-device program needs -----------------------------------------
+    def gather(self, w, spec: P):
+        """A weight's block -> the weight this device computes with: all-gather the dims the spec shards
+        over weight-sharding axes.  Its transpose, psum_scatter, is FSDP's backward reduce-scatter."""
+        for dim, entry in enumerate(spec):
+            axes = tuple(a for a in _entry_axes(entry) if a in self.fsdp)
+            if axes:
+                w = shmap.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        return w
+
+    def sum_partial(self, x):
+        """Sum the partial results of a row-parallel projection over the head/hidden-splitting axes."""
+        return shmap.psum(x, self.tensor) if self.tensor else x
+
+    def mean_over_batch(self, x):
+        """A per-device mean over this device's rows -> the mean over the global batch."""
+        return shmap.pmean(x, self.batch) if self.batch else x
+
+
+def _entry_axes(entry):
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def param_specs(cfg: Config, layout: Layout) -> dict:
+    """Where every parameter lives: the FSDP and TP tables of the cookbook, one entry per parameter."""
+    s = layout.spec
+    layer = {
+        "attention": {
+            "qkv": s(None, "fsdp", "tensor", None),  # (3, d, heads, head_dim): column-parallel over heads
+            "out": s("tensor", None, "fsdp"),        # (heads, head_dim, d): row-parallel over heads
+        },
+        "mlp": {
+            "in_kernel": s("fsdp", "tensor"),        # (d, mlp): column-parallel over hidden units
+            "out_kernel": s("tensor", "fsdp"),       # (mlp, d): row-parallel over hidden units
+        },
+    }
+    if cfg.block == "prenorm":
+        layer["norm1"] = s()
+        layer["norm2"] = s()
+    specs = {
+        "embedding": s(None, "fsdp"),     # (256, d)
+        "pos_embed": s(None, "fsdp"),     # (seq, d)
+        "layers": {str(i): _copy(layer) for i in range(cfg.layers)},
+        "linear_out": {"kernel": s("fsdp", None)},  # (d, 256)
+    }
+    if cfg.block == "prenorm":
+        specs["final_norm"] = s()
+    return specs
+
+
+def batch_spec(layout: Layout) -> P:
+    """Token rows are split over the batch axes and replicated over `tensor`."""
+    return layout.spec(layout.batch or None)
+
+
+def _copy(tree):
+    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def param_dtype(cfg: Config) -> torch.dtype:
+    """Parameters and Adam state: float64 in float64 runs, float32 otherwise (bfloat16 computes only)."""
+    return torch.float64 if cfg.dtype == "float64" else torch.float32
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return getattr(torch, cfg.dtype)
+
+
+def init_params(cfg: Config) -> dict:
+    """Deterministic global parameters: the same on every mesh and every process.
+
+    A fresh generator per parameter (seeded by `cfg.seed` and the parameter's
+    position) keeps each tensor independent of the others' shapes.  Matmul
+    kernels are normal with std 1/sqrt(fan_in); the projections back into the
+    residual stream are scaled by 1/sqrt(2 * layers) (GPT-2), positions start at
+    zero (as the cookbook).
+    """
+    dt = param_dtype(cfg)
+    d, h, k, m = cfg.embed_dim, cfg.heads, cfg.head_dim, cfg.mlp_dim
+    counter = iter(range(1 << 30))
+    resid = 1 / math.sqrt(2 * cfg.layers)
+
+    def normal(shape, std):
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + next(counter))
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * std).to(dt)
+
+    params = {
+        "embedding": normal((cfg.vocab_size, d), 1.0),
+        "pos_embed": torch.zeros(cfg.seq_len, d, dtype=dt),
+        "layers": {},
+        "linear_out": {"kernel": normal((d, cfg.vocab_size), d ** -0.5)},
+    }
+    for i in range(cfg.layers):
+        layer = {
+            "attention": {"qkv": normal((3, d, h, k), d ** -0.5), "out": normal((h, k, d), (h * k) ** -0.5 * resid)},
+            "mlp": {"in_kernel": normal((d, m), d ** -0.5), "out_kernel": normal((m, d), m ** -0.5 * resid)},
+        }
+        if cfg.block == "prenorm":
+            layer["norm1"] = torch.ones(d, dtype=dt)
+            layer["norm2"] = torch.ones(d, dtype=dt)
+        params["layers"][str(i)] = layer
+    if cfg.block == "prenorm":
+        params["final_norm"] = torch.ones(d, dtype=dt)
+    return params
+
+
+def _rms_norm(x, weight, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _cookbook_norm(x):
+    return x * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-6)
+
+
+def forward(cfg: Config, layout: Layout, specs: dict, params: dict, tokens):
+    """Per-device logits for per-device token rows `tokens` (b, s): the body of every mesh."""
+    cdt = compute_dtype(cfg)
+
+    def w(x, spec):  # cast first, so FSDP gathers compute-dtype bytes
+        return layout.gather(x.to(cdt), spec)
+
+    s = tokens.shape[-1]
+    x = F.embedding(tokens, w(params["embedding"], specs["embedding"]))
+    x = x + w(params["pos_embed"], specs["pos_embed"])[:s]
+    for i in range(cfg.layers):
+        p, sp = params["layers"][str(i)], specs["layers"][str(i)]
+        prenorm = cfg.block == "prenorm"
+
+        h = _rms_norm(x, p["norm1"].to(cdt)) if prenorm else x
+        qkv = torch.einsum("bsd,tdhk->tbhsk", h, w(p["attention"]["qkv"], sp["attention"]["qkv"]))
+        att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (b, heads, s, k)
+        att = torch.einsum("bhsk,hkd->bsd", att, w(p["attention"]["out"], sp["attention"]["out"]))
+        x = x + layout.sum_partial(att)
+        if not prenorm:
+            x = _cookbook_norm(x)
+
+        h = _rms_norm(x, p["norm2"].to(cdt)) if prenorm else x
+        h = F.gelu(h @ w(p["mlp"]["in_kernel"], sp["mlp"]["in_kernel"]))
+        h = h @ w(p["mlp"]["out_kernel"], sp["mlp"]["out_kernel"])
+        x = x + layout.sum_partial(h)
+        if not prenorm:
+            x = _cookbook_norm(x)
+
+    if cfg.block == "prenorm":
+        x = _rms_norm(x, params["final_norm"].to(cdt))
+    return x @ w(params["linear_out"]["kernel"], specs["linear_out"]["kernel"])
+
+
+def loss_fn(cfg: Config, layout: Layout, specs: dict, params: dict, tokens):
+    """Mean next-byte cross-entropy (nats/byte) over the global batch; `tokens` is (b, seq+1)."""
+    logits = forward(cfg, layout, specs, params, tokens[:, :-1])
+    logits = logits.to(param_dtype(cfg))  # the loss in float32 (float64 runs: float64) even under bfloat16
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return layout.mean_over_batch(loss)
+
+
+def count_params(params) -> int:
+    return sum(t.numel() for t in optree.tree_leaves(params))

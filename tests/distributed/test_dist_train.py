@@ -1,0 +1,76 @@
+"""The training recipe under torchrun: 4 gloo processes give the simulated mesh's losses, save
+checkpoints that resume on another mesh (both ways), and refuse a world of the wrong size."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.train.tiny import TINY_FLAGS, tiny  # noqa: E402
+
+from shmap.train import loop  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+
+def _torchrun(nproc, *args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "shmap.train", *TINY_FLAGS, "--sample-len", "0", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _train_losses(path):
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines()]
+    return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def torchrun_fsdp_tensor(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist_train")
+    p = _torchrun(4, "--mesh", "fsdp=2,tensor=2", "--steps", "4", "--out", str(d / "out"),
+                  "--checkpoint-dir", str(d / "ck"), "--checkpoint-every", "2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return d, p
+
+
+def test_four_processes_give_the_losses_of_the_simulated_mesh(torchrun_fsdp_tensor):
+    d, p = torchrun_fsdp_tensor
+    simulated = loop.train(tiny("fsdp=2,tensor=2"), log=lambda *a: None)
+    expect = {r["step"]: r["train_loss"] for r in simulated["history"] if "train_loss" in r}
+    got = _train_losses(d / "out" / "metrics.jsonl")
+    assert sorted(got) == [0, 1, 2, 3]
+    assert [got[s] for s in range(4)] == pytest.approx([expect[s] for s in range(4)], rel=1e-12)
+    assert p.stdout.count("final validation loss") == 1  # rank 0 alone prints
+
+
+def test_a_torchrun_checkpoint_resumes_on_another_mesh_simulated_and_distributed(torchrun_fsdp_tensor, tmp_path):
+    d, _ = torchrun_fsdp_tensor
+    full = _train_losses(d / "out" / "metrics.jsonl")
+    ck = tmp_path / "ck"
+    shutil.copytree(d / "ck" / "step_00000002", ck / "step_00000002")
+    sim = loop.train(tiny("data=4", steps=4, checkpoint_dir=str(ck), resume=True), log=lambda *a: None)
+    sim_losses = {r["step"]: r["train_loss"] for r in sim["history"] if "train_loss" in r}
+    assert [sim_losses[s] for s in (2, 3)] == pytest.approx([full[2], full[3]], rel=1e-7)
+
+    ck2 = tmp_path / "ck2"
+    shutil.copytree(d / "ck" / "step_00000002", ck2 / "step_00000002")
+    p = _torchrun(4, "--mesh", "data=2,tensor=2", "--steps", "4", "--out", str(tmp_path / "out"),
+                  "--checkpoint-dir", str(ck2), "--resume")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "saved on mesh fsdp=2,tensor=2" in p.stdout
+    got = _train_losses(tmp_path / "out" / "metrics.jsonl")
+    assert [got[s] for s in (2, 3)] == pytest.approx([full[2], full[3]], rel=1e-7)
+
+
+def test_a_world_of_the_wrong_size_is_refused_naming_the_flag():
+    p = _torchrun(2, "--mesh", "data=4", "--steps", "1", "--out", "")
+    assert p.returncode != 0
+    assert "--mesh data=4 has 4 devices but torchrun started 2 processes" in p.stderr

@@ -1,0 +1,64 @@
+"""shmap/train/checkpoint.py: resume exactly on the same mesh, resume on another mesh, refuse a
+checkpoint of another model."""
+import shutil
+
+import pytest
+
+from shmap.train import checkpoint, loop
+from shmap.train.config import ConfigError
+
+from .tiny import tiny
+
+
+def _losses(result):
+    return {r["step"]: r["train_loss"] for r in result["history"] if "train_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An uninterrupted fsdp=4 run of 6 steps that checkpointed after step 3 and at the end."""
+    d = tmp_path_factory.mktemp("ck")
+    full = loop.train(tiny("fsdp=4", steps=6, checkpoint_dir=str(d / "c"), checkpoint_every=3), log=lambda *a: None)
+    return d, _losses(full)
+
+
+def _resume_from_step_3(d, mesh, tmp_path):
+    ck = tmp_path / "c"
+    shutil.copytree(d / "c" / "step_00000003", ck / "step_00000003")
+    assert checkpoint.latest(ck).name == "step_00000003"
+    return _losses(loop.train(tiny(mesh, steps=6, checkpoint_dir=str(ck), resume=True), log=lambda *a: None))
+
+
+def test_a_resumed_run_continues_bitwise_on_the_same_mesh(saved, tmp_path):
+    d, full = saved
+    resumed = _resume_from_step_3(d, "fsdp=4", tmp_path)
+    assert sorted(resumed) == [3, 4, 5]
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)  # float64, same mesh: bitwise
+
+
+def test_a_checkpoint_saved_on_one_mesh_resumes_on_another(saved, tmp_path):
+    d, full = saved
+    resumed = _resume_from_step_3(d, "data=2,tensor=2", tmp_path)
+    for s in (3, 4, 5):
+        assert resumed[s] == pytest.approx(full[s], rel=1e-7)
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused(saved):
+    d, _ = saved
+    with pytest.raises(ConfigError, match=r"another model shape.*--embed-dim 32 \(this run: 64\)"):
+        loop.train(tiny("fsdp=4", steps=6, embed_dim=64, checkpoint_dir=str(d / "c"), resume=True),
+                   log=lambda *a: None)
+    with pytest.raises(ConfigError, match="past --steps 2"):
+        loop.train(tiny("fsdp=4", steps=2, checkpoint_dir=str(d / "c"), resume=True), log=lambda *a: None)
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint in --checkpoint-dir"):
+        loop.train(tiny("none", checkpoint_dir=str(tmp_path), resume=True), log=lambda *a: None)
+
+
+def test_an_unfinished_save_is_never_taken_for_a_checkpoint(saved, tmp_path):
+    d, _ = saved
+    shutil.copytree(d / "c" / "step_00000003", tmp_path / "step_00000003")
+    shutil.copytree(d / "c" / "step_00000006", tmp_path / "step_00000009.tmp")  # a save cut off midway
+    assert checkpoint.latest(tmp_path).name == "step_00000003"

@@ -1,0 +1,61 @@
+"""shmap/train/config.py: the command line and the checks that refuse a run before it starts."""
+import pytest
+
+from shmap.train import config
+from shmap.train.config import ConfigError, parse_args, parse_mesh
+
+from .tiny import TINY_FLAGS, tiny
+
+
+def test_mesh_flag_is_parsed_in_mesh_order():
+    assert parse_mesh("tensor=4,fsdp=2") == {"fsdp": 2, "tensor": 4}
+    assert parse_mesh("none") is None
+    assert parse_mesh(" data=2 , fsdp=2 ,tensor=2") == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("model=2", ["unknown axis 'model'", "data, fsdp, tensor"]),
+    ("fsdp", ["is not AXIS=N"]),
+    ("fsdp=x", ["is not AXIS=N"]),
+    ("fsdp=2,fsdp=2", ["given twice"]),
+    ("fsdp=0", ["sizes must be >= 1"]),
+    ("", ["no axes"]),
+])
+def test_bad_mesh_flags_name_the_flag_and_the_fix(text, words):
+    with pytest.raises(ConfigError) as e:
+        parse_mesh(text)
+    assert "--mesh" in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("mesh, kw, words", [
+    ("tensor=3", dict(heads=4, mlp_dim=66), ["--heads 4 is not divisible by tensor = 3", "Fix: --heads 6"]),
+    ("tensor=4", dict(mlp_dim=66), ["--mlp-dim 66 is not divisible by tensor = 4", "Fix: --mlp-dim 68"]),
+    ("data=3", dict(), ["--batch-size 8 is not divisible by data*fsdp = 3", "Fix: --batch-size 9"]),
+    ("fsdp=3", dict(batch_size=9), ["--embed-dim 32 is not divisible by fsdp = 3"]),
+    ("none", dict(embed_dim=30), ["--embed-dim 30 is not divisible by --heads 4"]),
+])
+def test_a_mesh_that_does_not_divide_the_model_is_refused(mesh, kw, words):
+    with pytest.raises(ConfigError) as e:
+        tiny(mesh, **kw)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_the_command_line_exits_with_the_message(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--mesh", "pipeline=2"])
+    assert e.value.code == 2
+    assert "unknown axis 'pipeline'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--resume"])
+    assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_the_command_line_maps_onto_the_config():
+    cfg = parse_args(TINY_FLAGS + ["--mesh", "fsdp=2", "--steps", "7", "--lr", "0.01", "--block", "cookbook",
+                                   "--out", "x", "--checkpoint-dir", "c", "--checkpoint-every", "3", "--resume"])
+    assert cfg.mesh == {"fsdp": 2} and cfg.steps == 7 and cfg.lr == 0.01 and cfg.block == "cookbook"
+    assert cfg.head_dim == 8 and cfg.progress is False and cfg.resume and cfg.checkpoint_every == 3
+    assert config.Config().mesh == {"fsdp": 2, "tensor": 4}  # the default: the mesh `make train` shows

@@ -1,0 +1,108 @@
+"""shmap/train/loop.py: every mesh trains to the losses of plain PyTorch; the run's outputs; a
+non-finite loss and Ctrl-C stop cleanly and lose nothing."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shmap.train import checkpoint, loop
+
+from .tiny import MESHES, TINY_FLAGS, tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+QUIET = dict(log=lambda *a, **k: None)
+
+
+def _losses(result):
+    return [r["train_loss"] for r in result["history"] if "train_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _losses(loop.train(tiny("none"), **QUIET))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_every_mesh_trains_to_the_losses_of_plain_pytorch(mesh, reference):
+    got = _losses(loop.train(tiny(mesh), **QUIET))
+    assert len(got) == len(reference) == 4
+    assert got == pytest.approx(reference, rel=1e-7)
+
+
+def test_the_run_writes_metrics_a_plot_and_a_sample(tmp_path):
+    out = tmp_path / "out"
+    res = loop.train(tiny("fsdp=2,tensor=2", steps=4, eval_every=2, out=str(out), sample_len=12, top_k=5),
+                     **QUIET)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "train_loss" in r]
+    val = [r for r in lines if "val_loss" in r]
+    assert [r["step"] for r in train] == [0, 1, 2, 3]
+    assert set(train[0]) == {"step", "train_loss", "lr", "grad_norm", "tokens_per_s"}
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in train)
+    assert [r["step"] for r in val] == [1, 3] and val[-1]["val_loss"] == res["final_val_loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sample = (out / "sample.txt").read_text()
+    assert sample.startswith("ROMEO:\n") and len(sample.encode()) >= len("ROMEO:\n") + 1
+
+
+def test_metrics_are_read_one_step_late():
+    """The writer holds step k's device values until step k+1 is dispatched (no sync inside a step)."""
+    w = loop.RecordWriter(None)
+    w({"step": 0, "train_loss": torch.tensor(2.0)})
+    assert w.history == []
+    w({"step": 1, "train_loss": torch.tensor(1.5)})
+    assert w.history == [{"step": 0, "train_loss": 2.0}]
+    w.flush()
+    assert [r["step"] for r in w.history] == [0, 1]
+
+
+def test_a_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    step = loop.Run.step
+
+    def poisoned(self, params, opt, k):
+        params, opt, m = step(self, params, opt, k)
+        if k == 4:
+            m["train_loss"] = m["train_loss"] * float("nan")
+        return params, opt, m
+
+    monkeypatch.setattr(loop.Run, "step", poisoned)
+    ck = tmp_path / "ck"
+    with pytest.raises(loop.NonFiniteLossError, match=r"step 4: the training loss is nan.*last good checkpoint is .*step_00000004"):
+        loop.train(tiny("data=2", steps=8, checkpoint_dir=str(ck), checkpoint_every=2, out=str(tmp_path / "o")),
+                   **QUIET)
+    assert checkpoint.latest(ck).name == "step_00000004"  # saved after step 3's loss was read as finite...
+    assert checkpoint.read_meta(checkpoint.latest(ck))["step"] == 4
+    assert (tmp_path / "o" / "metrics.jsonl").exists()     # ...and the metrics written so far are kept
+
+
+def test_ctrl_c_saves_a_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    step = loop.Run.step
+
+    def interrupted(self, params, opt, k):
+        if k == 3:
+            raise KeyboardInterrupt
+        return step(self, params, opt, k)
+
+    monkeypatch.setattr(loop.Run, "step", interrupted)
+    ck = tmp_path / "ck"
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tiny("fsdp=2", steps=6, checkpoint_dir=str(ck)), **QUIET)
+    assert checkpoint.read_meta(checkpoint.latest(ck))["step"] == 3
+    monkeypatch.setattr(loop.Run, "step", step)
+    resumed = loop.train(tiny("fsdp=2", steps=6, checkpoint_dir=str(ck), resume=True), **QUIET)
+    full = loop.train(tiny("fsdp=2", steps=6), **QUIET)
+    assert _losses(resumed) == _losses(full)[3:]
+
+
+def test_the_command_runs_and_reports_bad_flags(tmp_path):
+    cmd = [sys.executable, "-m", "shmap.train", *TINY_FLAGS, "--mesh", "data=2", "--steps", "2",
+           "--out", str(tmp_path), "--sample-len", "5"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "final validation loss" in p.stdout and (tmp_path / "loss.png").exists()
+    p = subprocess.run([sys.executable, "-m", "shmap.train", "--data", str(tmp_path / "missing.txt")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "--data" in p.stderr and "no such file" in p.stderr
