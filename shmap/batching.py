@@ -60,6 +60,36 @@ MATMUL = _names("matmul __matmul__ mm")
 LINEAR = _names("linear")
 
 
+def _sdpa_direct(k, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+    """Attention over `[dev..., *batch, L, E]` blocks: the device dims fold into the batch.
+
+    SDPA treats leading dims as batch dims, but its fused CPU/GPU kernels want
+    4-d inputs (with more dims it falls back to the slow math path), so the
+    device dims and the per-device batch dims are flattened into one.
+    """
+    qkv = (query, key, value)
+    if query.dim() > 4:
+        qkv = [t.reshape((-1,) + tuple(t.shape[-3:])) for t in qkv]
+    out = F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    return out.reshape(tuple(query.shape[:-1]) + (out.shape[-1],))
+
+
+def _sdpa_ok(args, kwargs, batched, out_paxes):
+    """Direct attention: q, k, v all carry every device dim, same rank, no mask tensor."""
+    if len(args) < 3 or len(batched) != 3 or any(i > 2 or p != out_paxes for i, p in batched):
+        return False
+    if kwargs.get("attn_mask") is not None or len(args) > 3:
+        return False
+    return len({a.dim() for a in args[:3]}) == 1
+
+
+#: ops with a hand-written direct form: func -> (applies(args, kwargs, batched, out_paxes),
+#: run(k, *physical args, **kwargs) with `k` leading device dims)
+DIRECT = {F.scaled_dot_product_attention: (_sdpa_ok, _sdpa_direct)}
+
+
 def direct_ok(func, args, batched, out_paxes) -> bool:
     """Whether `func` on the physical tensors (device dims leading) equals the batched op.
 
@@ -88,7 +118,9 @@ def direct_ok(func, args, batched, out_paxes) -> bool:
                 return False
         return True
     if name in MATMUL and len(args) == 2 and len(batched) == 2:  # both vary: matmul's own batch dims
-        return all(p == out_paxes and args[i].dim() - k >= 2 for i, p in batched)
+        # right-aligned batch dims line the device dims up only when both operands have the same rank
+        return args[0].dim() == args[1].dim() and all(p == out_paxes and args[i].dim() - k >= 2
+                                                      for i, p in batched)
     if name in MATMUL and len(args) == 2 and len(batched) == 1:
         (i, p), = batched
         if p != out_paxes or not isinstance(args[1 - i], torch.Tensor):
@@ -96,7 +128,8 @@ def direct_ok(func, args, batched, out_paxes) -> bool:
         other = args[1 - i]
         if i == 0:  # [dev..., (m,) k] @ [k(, n)]: device dims are batch dims of matmul
             return other.dim() in (1, 2) and (name != "mm" or other.dim() == 2)
-        return args[1].dim() - k >= 2 and other.dim() >= 1 and name != "mm"
+        # [..., m, k] @ [dev..., ..., k, n]: the left operand's batch dims must not reach the device dims
+        return args[1].dim() - k >= 2 and 1 <= other.dim() <= args[1].dim() - k and name != "mm"
     if name in LINEAR and batched and batched[0][0] == 0 and len(batched) == 1 and batched[0][1] == out_paxes:
         return True
     return False

@@ -79,3 +79,38 @@ def test_direct_path_matches_a_per_device_loop(case, monkeypatch):
     # The first op decides: misaligning ranks (a vector plus a matrix, a varying vector on the right)
     # must not run directly; the aligned cases must.
     assert decisions[0] == (case not in ("vec+mat",)), decisions
+
+
+# Batched matmuls whose per-device batch size equals the device count: a direct
+# (vmap-free) call would broadcast the device dim against a batch dim and give a
+# silently wrong answer, so these must take the batched path (regression).
+@pytest.mark.parametrize("case", ["both_vary_ranks_differ", "invariant_left_batched"])
+def test_direct_matmul_never_pairs_a_device_dim_with_a_batch_dim(case):
+    mesh = shmap.make_mesh((4,), ("t",))
+    h = torch.randn(4, 3, 8, dtype=torch.float64)        # per-device batch 4 == the axis size
+    w = torch.randn(4, 8, 5, dtype=torch.float64)        # one (8, 5) block per device along 't'
+    if case == "both_vary_ranks_differ":
+        in_specs = (P("t"), P("t"))                      # h varies too: block (1, 3, 8)
+        h = torch.randn(16, 3, 8, dtype=torch.float64)
+        expect = torch.cat([hb @ wb for hb, wb in zip(h.chunk(4), w)])
+    else:
+        in_specs = (P(), P("t"))                          # h invariant (the TP column-parallel case)
+        expect = torch.cat([h @ wb for wb in w])
+    f = shmap.shard_map(lambda a, b: a @ b[0], mesh=mesh, in_specs=in_specs, out_specs=P("t"))
+    torch.testing.assert_close(f(h, w), expect)
+
+
+def test_attention_runs_direct_over_device_dims():
+    """scaled_dot_product_attention folds the device dims into its batch (the fused kernel, no fallback)."""
+    mesh = shmap.make_mesh((2, 2), ("b", "h"))
+    q, k, v = (torch.randn(4, 4, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    body = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = shmap.shard_map(body, mesh=mesh, in_specs=(P("b", "h"),) * 3, out_specs=P("b", "h"))(q, k, v)
+    expect = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expect)
+    g = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ge = torch.autograd.grad(expect.square().sum(), (q, k, v))
+    for a, b in zip(g, ge):
+        torch.testing.assert_close(a, b)
