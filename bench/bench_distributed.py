@@ -4,19 +4,23 @@
 
 Part 1, on 2 and 4 gloo processes (localhost): each collective called in a
 shard_map body vs the raw `torch.distributed` call on the same block, at
-4 KiB, 1 MiB and 16 MiB per device.  shmap is timed with its per-collective
-signature check off (`configure_distributed(check_collectives=False)`) and on
-(the default).  The raw calls work in place on preallocated buffers; shmap's
-collectives are functional (a fresh output, like torch's functional
-collectives), so they pay one copy or allocation the raw call does not.
-Medians of per-call times, the variants alternating call by call; ratios
-are shmap / raw (1.00 = same).
+4 KiB, 1 MiB and 16 MiB per device.  shmap is timed in its default
+configuration (mismatch checks on: the signature rides in the payload;
+hang detection on), with checks off (`check_collectives=False`) and strict
+(`check_collectives='strict'`: a signature exchange before each collective).
+The raw calls work in place on preallocated buffers (`raw`) or write a fresh
+output (`raw+alloc`, a clone for all_reduce); shmap's collectives are
+functional, so `raw+alloc` is the like-for-like baseline.  Medians of
+per-call times, the variants alternating call by call; ratios are
+shmap / raw+alloc (1.00 = same).
 
 Part 2: a data-parallel loss/grad step where every rank computes the same
-global loss over its batch shard, written with shmap and with
-`torch.distributed.nn.functional.all_reduce`.  It counts the
-torch.distributed collectives and bytes of the backward pass and compares
-each gradient with the single-process gradient of the same global loss.
+global loss over its batch shard, written with shmap (default
+configuration, and checks off), with `torch.nn.parallel.DistributedDataParallel`
+(DDP), and with `torch.distributed.nn.functional.all_reduce`.  It counts the
+torch.distributed collectives and bytes of the backward pass, compares each
+gradient with the single-process gradient of the same global loss, and times
+the step (ratio shmap / DDP).
 
 All figures come from one run, side by side.  Timings on a shared or
 oversubscribed machine are noisy: compare ratios within one run only.
@@ -100,7 +104,8 @@ def collective_worker(sizes, quick):
     warnings.filterwarnings("ignore", category=FutureWarning)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = shmap.make_mesh((world,), ("i",))
-    variants = ("raw", "raw+alloc", "shmap", "shmap+checks")
+    variants = ("raw", "raw+alloc", "off", "default", "strict")
+    modes = {"off": False, "default": True, "strict": "strict"}
     results = {}
     for nbytes, label in sizes:
         n = nbytes // 4
@@ -120,7 +125,7 @@ def collective_worker(sizes, quick):
                             t0 = time.perf_counter()
                             raws[v]()
                         else:
-                            shmap.configure_distributed(check_collectives=(v == "shmap+checks"))
+                            shmap.configure_distributed(check_collectives=modes[v])
                             dist.barrier()
                             t0 = time.perf_counter()
                             op(b)
@@ -234,16 +239,39 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
                            err=max(rel_err(a.grad, true[0]), rel_err(b.grad, true[1])),
                            ratio=(a.grad.norm() / true[0].norm()).item())
 
-    # Step time, interleaved (forward + backward; checks off and on for shmap).
-    times = {"shmap": [], "shmap+checks": [], "tdnn+ddp": []}
-    for _ in range(steps):
-        for checks, key in ((False, "shmap"), (True, "shmap+checks")):
+    # DDP: the same MLP as a module; each rank's loss is its shard's share scaled by the world size, so
+    # DDP's averaged gradient is the global loss's.
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(d_hidden, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(w1.T)
+        model[2].weight.copy_(w2.T)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    xs, ys = x[lo:hi].contiguous(), y[lo:hi].contiguous()
+
+    def ddp_step():
+        ddp.zero_grad(set_to_none=True)
+        (((ddp(xs) - ys) ** 2).sum() * (world / n)).backward()
+
+    ddp_step()
+    out["ddp"] = dict(err=max(rel_err(model[0].weight.grad.T, true[0]), rel_err(model[2].weight.grad.T, true[1])))
+
+    # Step time, interleaved (forward + backward): shmap default and checks off (alternating which goes
+    # first: the first after the barrier pays for memory the other then reuses), DDP, tdnn+all_reduce.
+    times = {"shmap": [], "shmap (checks off)": [], "ddp": [], "tdnn+ddp": []}
+    for i in range(steps):
+        order = ((True, "shmap"), (False, "shmap (checks off)"))
+        for checks, key in order if i % 2 else order[::-1]:
             shmap.configure_distributed(check_collectives=checks)
             a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
             dist.barrier()
             t0 = time.perf_counter()
             step(x, y, a, b).full_tensor().backward()
             times[key].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ddp_step()
+        times["ddp"].append(time.perf_counter() - t0)
         a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
         dist.barrier()
         t0 = time.perf_counter()
@@ -265,25 +293,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--sizes", default="4 KiB,1 MiB,16 MiB", help="Part 1 block sizes, from: 4 KiB,1 MiB,16 MiB")
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"torch {torch.__version__}, gloo on {os.cpu_count()} CPU cores (load average "
           f"{os.getloadavg()[0]:.1f} at start).\n")
-    print("Part 1: one collective on each device's block; microseconds per call (median; the four variants")
+    print("Part 1: one collective on each device's block; microseconds per call (median; the five variants")
     print("  alternate call by call, each call after a barrier, so the machine's load hits each alike).")
     print("  raw: torch.distributed in place on preallocated buffers; raw+alloc: the same call writing a fresh")
-    print("  output (a clone for all_reduce), as any functional API must; shmap: in a shard_map body, signature")
-    print("  checks off; +checks: the default. Ratios: shmap / raw, shmap / raw+alloc, +checks / raw.")
-    head = (f"{'world':>5} {'size':>7} {'collective':>13} {'raw':>9} {'raw+alloc':>9} {'shmap':>9} "
-            f"{'/raw':>6} {'/alloc':>6} {'+checks':>9} {'/raw':>6}")
+    print("  output (a clone for all_reduce), as any functional API must; shmap in a shard_map body: default")
+    print("  (mismatch + hang checks on, signature in the payload), off (check_collectives=False), strict")
+    print("  (a signature exchange first). Ratios are to raw+alloc.")
+    head = (f"{'world':>5} {'size':>7} {'collective':>13} {'raw':>9} {'raw+alloc':>9} {'default':>9} "
+            f"{'/alloc':>6} {'off':>9} {'/alloc':>6} {'strict':>9} {'/alloc':>6}")
     print(head)
     print("-" * len(head))
     for world in worlds:
-        res = shmap.spawn(collective_worker, SIZES, args.quick, nprocs=world, timeout=600)[0]
+        sizes = [sz for sz in SIZES if sz[1] in args.sizes.split(",")]
+        res = shmap.spawn(collective_worker, sizes, args.quick, nprocs=world, timeout=600)[0]
         for (label, name), t in res.items():
-            print(f"{world:>5} {label:>7} {name:>13} {_us(t['raw'])} {_us(t['raw+alloc'])} {_us(t['shmap'])} "
-                  f"{t['shmap'] / t['raw']:6.2f} {t['shmap'] / t['raw+alloc']:6.2f} {_us(t['shmap+checks'])} "
-                  f"{t['shmap+checks'] / t['raw']:6.2f}")
+            a = t["raw+alloc"]
+            print(f"{world:>5} {label:>7} {name:>13} {_us(t['raw'])} {_us(a)} {_us(t['default'])} "
+                  f"{t['default'] / a:6.2f} {_us(t['off'])} {t['off'] / a:6.2f} {_us(t['strict'])} "
+                  f"{t['strict'] / a:6.2f}")
     print("\nPart 2: data-parallel loss/grad step (MLP 512-512-1, 64 rows per rank); every rank computes the "
           "same global loss.")
     print("Backward-pass torch.distributed collectives and bytes; gradient error vs the single-process "
@@ -303,9 +335,12 @@ def main():
         print(f"    shmap saves {sum(t['calls'].values()) - sum(s['calls'].values())} collective(s) and "
               f"{t['bytes'] - s['bytes']} bytes per step vs the torch.distributed.nn version, whose gradient is "
               f"x{t['ratio']:.2f} (world size {world}) once all-reduced, and unsynchronised before.")
+        print(f"    DistributedDataParallel: grad error {r['ddp']['err']:.2e}")
         tm = r["times"]
-        print(f"    step time (median): shmap {tm['shmap'] * 1e3:.2f} ms, "
-              f"with checks {tm['shmap+checks'] * 1e3:.2f} ms, torch.distributed.nn+DDP {tm['tdnn+ddp'] * 1e3:.2f} ms")
+        print(f"    step time (median): shmap (default) {tm['shmap'] * 1e3:.2f} ms = "
+              f"x{tm['shmap'] / tm['ddp']:.2f} DDP, checks off {tm['shmap (checks off)'] * 1e3:.2f} ms = "
+              f"x{tm['shmap (checks off)'] / tm['ddp']:.2f}, "
+              f"DDP {tm['ddp'] * 1e3:.2f} ms, torch.distributed.nn+all_reduce {tm['tdnn+ddp'] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

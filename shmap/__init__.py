@@ -27,6 +27,7 @@ from .comm import CommEvent, CommLog, comm_log
 from .errors import (
     CollectiveArgumentError,
     CollectiveShapeError,
+    InPlaceInputError,
     ShmapError,
     SpecError,
     UnboundAxisError,
@@ -35,6 +36,8 @@ from .errors import (
 )
 from .mesh import Mesh, P, PartitionSpec, make_mesh
 from .shard_map import shard_map
+from . import interop  # noqa: F401  (autograd.Function and torch.func on body values)
+from .pmap import pmap
 from .backends.watchdog import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -47,13 +50,13 @@ from .launch import SpawnError, spawn
 from . import kernels  # noqa: E402  (remote copies, semaphores, the verifying interpreter)
 
 __all__ = [
-    "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map",
+    "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map", "pmap",
     "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_gather", "all_gather_invariant",
     "ppermute", "pshuffle", "all_to_all", "axis_index", "axis_size", "pvary", "pcast", "vma",
     "unreduced_axes",
     "comm_log", "CommLog", "CommEvent",
     "ShmapError", "SpecError", "VmaError", "UnboundAxisError", "CollectiveShapeError",
-    "CollectiveArgumentError", "VaryingControlFlowError",
+    "CollectiveArgumentError", "VaryingControlFlowError", "InPlaceInputError",
     "device_put", "visualize_sharding", "configure_distributed", "spawn",
     "DistributedError", "RankFailedError", "CollectiveMismatchError", "CollectiveTimeoutError", "SpawnError",
     "kernels",

@@ -60,8 +60,8 @@ MATMUL = _names("matmul __matmul__ mm")
 LINEAR = _names("linear")
 
 
-def _sdpa_direct(k, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False):
+def _sdpa_direct(batched, out_paxes, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                 scale=None, enable_gqa=False):
     """Attention over `[dev..., *batch, L, E]` blocks: the device dims fold into the batch.
 
     SDPA treats leading dims as batch dims, but its fused CPU/GPU kernels want
@@ -85,9 +85,67 @@ def _sdpa_ok(args, kwargs, batched, out_paxes):
     return len({a.dim() for a in args[:3]}) == 1
 
 
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _einsum_ok(args, kwargs, batched, out_paxes):
+    """`torch.einsum(eq, *operands)` with an explicit output and no ellipsis."""
+    if kwargs or len(args) < 2 or not isinstance(args[0], str):
+        return False
+    eq = args[0]
+    return ("->" in eq and "..." not in eq and eq.count(",") == len(args) - 2
+            and all(isinstance(a, torch.Tensor) for a in args[1:]) and all(i >= 1 for i, _ in batched))
+
+
+def _einsum_direct(batched, out_paxes, eq, *operands):
+    """einsum over the physical blocks: each device dim becomes one more einsum letter.
+
+    An operand that does not vary along a device axis simply lacks that letter,
+    so einsum folds the axis into the other operand's free dims (one big GEMM:
+    `[rows, d] @ [d, devices * n]`) instead of broadcasting the operand to every
+    device first, which is what vmap's matmul rule does.
+    """
+    lhs, out = eq.replace(" ", "").split("->")
+    specs = lhs.split(",")
+    free = [c for c in _LETTERS if c not in eq][: len(out_paxes)]
+    letter = dict(zip(out_paxes, free))
+    paxes = dict(batched)
+    specs = ["".join(letter[a] for a in paxes.get(i + 1, ())) + sp for i, sp in enumerate(specs)]
+    # einsum returns its GEMM's layout (device dims inside); later pointwise ops and their backward
+    # run several times slower on such a permuted view than one copy costs here
+    return torch.einsum(",".join(specs) + "->" + "".join(free) + out, *operands).contiguous()
+
+
+def _matmul_ok(args, kwargs, batched, out_paxes):
+    """`x @ w` where `w` is a varying matrix: along axes `x` does not vary along (the tensor-parallel
+    column projection), or along the same axes with `x` of higher rank (the row projection), where
+    matmul's own broadcasting would misalign the device dims.  When only `x` varies, or both have
+    the same rank, `direct_ok`'s plain matmul is already right and one GEMM."""
+    if kwargs or len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
+        return False
+    paxes = dict(batched)
+    rank = [a.dim() - len(paxes.get(i, ())) for i, a in enumerate(args)]
+    return (rank[0] >= 2 and rank[1] == 2 and bool(paxes.get(1))
+            and not direct_ok(torch.matmul, list(args), batched, out_paxes))
+
+
+def _matmul_direct(batched, out_paxes, x, w):
+    paxes = dict(batched)
+    xr = x.dim() - len(paxes.get(0, ()))
+    xs = _LETTERS[:xr - 2] + "mk"
+    return _einsum_direct([(i + 1, p) for i, p in batched], out_paxes, f"{xs},kn->{xs[:-1]}n", x, w)
+
+
 #: ops with a hand-written direct form: func -> (applies(args, kwargs, batched, out_paxes),
-#: run(k, *physical args, **kwargs) with `k` leading device dims)
-DIRECT = {F.scaled_dot_product_attention: (_sdpa_ok, _sdpa_direct)}
+#: run(batched, out_paxes, *physical args, **kwargs)); `batched` lists (argument index, device axes).
+DIRECT = {
+    F.scaled_dot_product_attention: (_sdpa_ok, _sdpa_direct),
+    torch.einsum: (_einsum_ok, _einsum_direct),
+}
+# `x @ w` reaches __torch_function__ as the TensorBase method (`Tensor.__matmul__` forwards to it)
+DIRECT.update({f: (_matmul_ok, _matmul_direct) for f in (
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch._C.TensorBase.matmul,
+    torch._C.TensorBase.__matmul__)})
 
 
 def direct_ok(func, args, batched, out_paxes) -> bool:

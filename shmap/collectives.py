@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from . import context
+from . import context, nesting
 from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, fmt_axes, fmt_vma
 from .tensor import ShTensor, lift, mesh_order, unreduced_axes, vma  # noqa: F401  (re-exported)
 
@@ -63,13 +63,15 @@ _REDUCING = frozenset({"psum", "pmean", "pcast"})
 
 def _operand(api: str, x, axes):
     """(body, ShTensor) for `x`; plain tensors and scalars are invariant values."""
-    body = context.body_for_axes(api, axes)
+    body = context.body_for_axes(api, axes, hint=x._body if isinstance(x, ShTensor) else None)
     if isinstance(x, ShTensor):
         if x._body is not body:
-            raise VmaError(
-                f"{api}: the operand belongs to a different shard_map body than the one binding "
-                f"{fmt_axes(axes)}. Fix: pass the value into the inner shard_map as an argument."
-            )
+            if not nesting.encloses(x._body, body):
+                raise VmaError(
+                    f"{api}: the operand belongs to a different shard_map body than the one binding "
+                    f"{fmt_axes(axes)}. Fix: pass the value into the inner shard_map as an argument."
+                )
+            x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced)  # an enclosing body's value
         if x._unreduced and api not in _REDUCING:
             raise VmaError(
                 f"{api}: the operand is unreduced along {fmt_vma(x._unreduced, body.axes)} (a pending sum). "
@@ -79,6 +81,14 @@ def _operand(api: str, x, axes):
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x)
     return body, ShTensor(x, (), frozenset(), body)
+
+
+def _countable(x: ShTensor) -> ShTensor:
+    """A sum's operand: booleans become int32 counts, as in JAX's psum (every other dtype is
+    summed in its own dtype, integers wrapping, on both meshes)."""
+    if x.dtype == torch.bool:
+        return x.to(torch.int32)
+    return x
 
 
 def _size(body, axes) -> int:
@@ -136,10 +146,12 @@ def psum(x, axis_name):
     """Sum over the devices of `axis_name`; the result is invariant along it.
 
     An operand that is invariant along the axis is first `pvary`'d, so the
-    result is N * x, as in JAX.
+    result is N * x, as in JAX.  Integers keep their dtype and wrap on
+    overflow; booleans are counted (an int32 result, as JAX's psum).
     """
     axes = _axes("psum", axis_name)
     body, x = _operand("psum", x, axes)
+    x = _countable(x)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum(phys, x._paxes, axes, body, x.shape, not body.check_vma)
     res = _out(out, paxes, x._vma - set(axes), body)
@@ -152,7 +164,7 @@ def psum(x, axis_name):
 def pmean(x, axis_name):
     """Mean over the devices of `axis_name` (a psum, then a division)."""
     axes = _axes("pmean", axis_name)
-    body = context.body_for_axes("pmean", axes)
+    body = context.body_for_axes("pmean", axes, hint=x._body if isinstance(x, ShTensor) else None)
     return psum(x, axes) / _size(body, axes)
 
 
@@ -162,6 +174,13 @@ def pmean(x, axis_name):
 def _pextremum(kind, x, axis_name):
     axes = _axes(kind, axis_name)
     body, x = _operand(kind, x, axes)
+    if x.dtype.is_complex:
+        raise CollectiveArgumentError(
+            f"{kind} over {fmt_axes(axes)}: the operand is {str(x.dtype).replace('torch.', '')}, and complex "
+            "numbers have no order (JAX's pmax/pmin refuse them too). "
+            f"Fix: take the {'maximum' if kind == 'pmax' else 'minimum'} of a real quantity, e.g. "
+            f"shmap.{kind}(x.abs(), {fmt_axes(axes)}) or shmap.{kind}(x.real, {fmt_axes(axes)})."
+        )
     phys = _varying(x, axes, body)
     out, paxes = body.backend.pextremum(kind, phys, x._paxes, axes, body, x.shape, not body.check_vma)
     return _out(out, paxes, x._vma - set(axes), body)
@@ -278,7 +297,10 @@ def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
 # psum_scatter: V{A} -> V{A}                transpose: all_gather
 # --------------------------------------------------------------------------
 def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
-    """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`."""
+    """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`.
+
+    Dtypes as `psum`: booleans are counted in int32 (JAX's psum_scatter refuses booleans).
+    """
     api = "psum_scatter"
     axes = _axes(api, axis_name)
     body, x = _operand(api, x, axes)
@@ -288,6 +310,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
                            "psum_scatter a value with at least one dimension")
     d = _dim(api, "scatter_dimension", scatter_dimension, x.dim())
     _check_split(api, axes, body, x, d, n, tiled, f"dimension {d}")
+    x = _countable(x)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
     return _out(out, paxes, x._vma | set(axes), body)

@@ -5,8 +5,11 @@ them so that mixing values of different bodies is caught.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
+
+import torch
 
 from .errors import unbound_axis
 from .mesh import Mesh
@@ -29,9 +32,15 @@ class Body:
     sizes: dict = field(default_factory=dict)
     lift_cache: dict = field(default_factory=dict)
     active: bool = True
+    #: the enclosing body of a nested shard_map / pmap (whose axes this body also binds), or None
+    parent: object = None
+    #: the axes this body's own specs split (default: all of `axes`; a nested body's exclude its parent's)
+    own: tuple = None
 
     def __post_init__(self):
         self.sizes = {a: self.mesh.shape[a] for a in self.axes}
+        if self.own is None:
+            self.own = self.axes
         self._orders = {}
 
     def order(self, axes) -> tuple:
@@ -60,12 +69,45 @@ def current() -> Body | None:
     return s[-1] if s else None
 
 
-def body_for_axes(api: str, axes: tuple) -> Body:
-    """The innermost body binding every axis in `axes`, or a clear error."""
+def body_for_axes(api: str, axes: tuple, hint: Body | None = None) -> Body:
+    """The innermost body binding every axis in `axes`, or a clear error.
+
+    In a backward pass (a region recomputed by `torch.utils.checkpoint`, a hook)
+    the body may have returned already; there the operand's body (`hint`) or the
+    body last used in this backward pass binds the axes.
+    """
     s = stack()
     for body in reversed(s):
         if all(a in body.sizes for a in axes):
             return body
+    if in_backward():
+        for body in (hint, getattr(_local, "backward_body", None)):
+            if body is not None and all(a in body.sizes for a in axes):
+                _local.backward_body = body
+                return body
     bound = s[-1].axes if s else ()
     missing = [a for a in axes if not (s and a in s[-1].sizes)]
     raise unbound_axis(api, missing[0] if missing else axes[0], bound)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def used_in_backward(body: Body) -> None:
+    """Remember `body` as the one a backward pass is recomputing (see `body_for_axes`)."""
+    _local.backward_body = body
+
+
+@contextlib.contextmanager
+def reentered(body: Body):
+    """Run code of `body` again after it returned (a custom Function's backward)."""
+    was = body.active
+    stack().append(body)
+    body.active = True
+    try:
+        yield body
+    finally:
+        body.active = was
+        stack().pop()

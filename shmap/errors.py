@@ -35,6 +35,10 @@ class VaryingControlFlowError(ShmapError, RuntimeError):
     """Python needed one concrete value, but the value differs across devices."""
 
 
+class InPlaceInputError(ShmapError, RuntimeError):
+    """An in-place op would update a body value that aliases the caller's data (an argument)."""
+
+
 def fmt_axes(axes) -> str:
     axes = tuple(axes)
     if len(axes) == 1:
@@ -64,10 +68,29 @@ def unbound_axis(api: str, name, bound) -> UnboundAxisError:
 
 
 def varying_control_flow(what: str, vma, mesh) -> VaryingControlFlowError:
+    if getattr(mesh, "is_distributed", False):
+        why = ("Each process would take its own branch, and the ranks would then run different programs "
+               "(different collectives, or a hang); the distributed mesh refuses, as every mesh does, so a "
+               "program means the same on one process as on one process per device.")
+    else:
+        why = ("On real hardware each device would take its own branch; the simulated mesh refuses to "
+               "silently pick one device's answer.")
     return VaryingControlFlowError(
         f"{what} needs one concrete Python value, but this value varies across devices along "
-        f"{fmt_vma(vma, mesh.axis_names)} of mesh {mesh.describe()}. On real hardware each device "
-        "would take its own branch; the simulated mesh refuses to silently pick one device's answer. "
+        f"{fmt_vma(vma, mesh.axis_names)} of mesh {mesh.describe()}. {why} "
         "Fix: make it invariant first (e.g. `shmap.pmax(x, axes)` / `shmap.psum(x, axes)`), or keep "
         "the choice per device with tensor ops such as `torch.where(cond, a, b)`."
+    )
+
+
+def inplace_input(op: str, who: str, mesh) -> InPlaceInputError:
+    """`op` would update `who` (e.g. "argument 0 ('x') of shard_map(f) at in_specs[0]") in place."""
+    return InPlaceInputError(
+        f"{op}: in-place update of {who} (mesh {mesh.describe()}). Arguments are read-only inside a "
+        "shard_map body, as JAX arrays are immutable: the body value aliases the caller's tensor, and with "
+        "one process per device each rank would update only its own block of its own copy, so the "
+        "caller's tensor would end up different on the simulated and the distributed mesh (and a "
+        "requires_grad input cannot be updated in place at all). Values created inside the body may be "
+        "updated in place. Fix: compute out of place, e.g. `x = x + y` instead of `x += y` / `x.add_(y)`, "
+        "or copy first (`x = x.clone()`) and update the copy."
     )

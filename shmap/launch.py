@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import sys
 import time
 import traceback
@@ -96,11 +97,11 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
                     errors[r] = ("Killed", why + "; killed", "")
         del store
     if errors:
-        raise SpawnError(_summary(errors, nprocs), errors, results)
+        raise SpawnError(_summary(errors, nprocs, results), errors, results)
     return [results[r] for r in range(nprocs)]
 
 
-def _summary(errors, nprocs) -> str:
+def _summary(errors, nprocs, results=()) -> str:
     def key(item):
         name = item[1][0]
         secondary = name in ("RankFailedError", "CollectiveTimeoutError", "Killed", "ProcessDied")
@@ -110,6 +111,12 @@ def _summary(errors, nprocs) -> str:
     for r, (name, msg, _) in sorted(errors.items(), key=key):
         first = msg.strip().splitlines()[0] if msg.strip() else ""
         lines.append(f"  rank {r}: {name}: {first}")
+    for r in sorted(results):
+        # A rank that returned while the others failed: name it if they say it ended without them.
+        named = any(re.search(rf"\branks? (?:\d+, )*{r}\b[^\n]*finished the program", m) for _, m, _ in errors.values())
+        if named:
+            lines.append(f"  rank {r}: returned early: the others still waited for it in a collective "
+                         "(it skipped collectives they called)")
     root = sorted(errors.items(), key=key)[0]
     if root[1][2]:
         lines.append(f"traceback of rank {root[0]}:\n{root[1][2]}")
@@ -162,6 +169,8 @@ def _finish(out, failed):
     import torch.distributed as dist
 
     watchdog.report_exit()
+    if w is not None and w.status == "exited" and watchdog.exit_barrier():
+        watchdog._hard_exit(1)  # the others failed waiting for this rank (its result is sent already)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

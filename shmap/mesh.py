@@ -164,23 +164,88 @@ def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None, d
     each, rank `r` at row-major position `r` (a `DeviceMesh` underneath), and
     `prod(shape)` must equal the world size.  `distributed=False` forces a
     simulated mesh even then (handy to compare both in one program);
-    `distributed=True` insists on the world.
+    `distributed=True` insists on the world.  Axis sizes must be positive ints
+    (2.5, '4' or True raise rather than being rounded or parsed) and names
+    distinct non-empty strings.
     """
-    shape = tuple(int(s) for s in shape)
-    names = tuple(names)
+    shape = _mesh_shape(shape)
+    names = _mesh_names(names, len(shape))
     if len(shape) != len(names):
         raise ValueError(
             f"make_mesh: shape {shape} has {len(shape)} axes but names {names} has {len(names)}; "
             "give one name per mesh axis, e.g. make_mesh((4, 2), ('i', 'j'))."
         )
-    if any(s < 1 for s in shape):
-        raise ValueError(f"make_mesh: every axis size must be >= 1, got shape {shape}.")
     n = math.prod(shape)
     if distributed is None:
         distributed = _real_world()
     if distributed:
         return _world_mesh(shape, names, device)
     return Mesh(torch.arange(n).reshape(shape), names, device=device)
+
+
+def _mesh_shape(shape) -> tuple:
+    """`shape` as a tuple of positive Python ints; anything else (2.5, '4', True) is refused, not rounded."""
+    import operator
+
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(
+            f"make_mesh: shape must be a sequence of axis sizes, got {type(shape).__name__} {shape!r}. "
+            f"Fix: e.g. make_mesh(({shape!r},), ('i',)) for one axis." if isinstance(shape, int) else
+            f"make_mesh: shape must be a sequence of axis sizes, got {type(shape).__name__} {shape!r}. "
+            "Fix: e.g. make_mesh((4, 2), ('i', 'j'))."
+        )
+    shape = tuple(shape)
+    sizes = []
+    for k, s in enumerate(shape):
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            size = operator.index(s)  # ints and integer scalars (numpy, 0-d integer tensors); not 2.5, not '4'
+        except TypeError:
+            raise TypeError(
+                f"make_mesh: axis {k} of shape {shape} has size {s!r} ({type(s).__name__}); every axis size must "
+                f"be a positive int. Fix: give whole numbers, e.g. make_mesh((4, 2), ('i', 'j'))"
+                + (f" (int({s!r}) if you meant that)." if isinstance(s, (float, str)) else ".")
+            ) from None
+        if size < 1:
+            raise ValueError(
+                f"make_mesh: axis {k} of shape {shape} has size {size}; every axis size must be >= 1 "
+                "(a positive int). Fix: give each axis at least one device."
+            )
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def _mesh_names(names, n) -> tuple:
+    """`names` as a tuple of distinct, non-empty strings."""
+    if isinstance(names, str):
+        raise TypeError(
+            f"make_mesh: names must be a sequence of axis names, got the string {names!r} (which would be read "
+            f"as {len(names)} one-letter names). Fix: make_mesh(shape, ({names!r},))"
+            + (f" or make_mesh(shape, {tuple(names)!r})." if n == len(names) and n > 1 else ".")
+        )
+    if not hasattr(names, "__iter__"):
+        raise TypeError(
+            f"make_mesh: names must be a sequence of axis names (strings), got {type(names).__name__} {names!r}. "
+            "Fix: e.g. make_mesh((4, 2), ('i', 'j'))."
+        )
+    names = tuple(names)
+    for k, a in enumerate(names):
+        if not isinstance(a, str) or not a:
+            raise TypeError(
+                f"make_mesh: axis name {k} of {names} is {a!r} ({type(a).__name__}); axis names must be non-empty "
+                "strings. Fix: e.g. make_mesh((4, 2), ('i', 'j'))."
+            )
+    seen = set()
+    for a in names:
+        if a in seen:
+            raise ValueError(
+                f"make_mesh: axis name {a!r} appears twice in {names}; each mesh axis needs its own name "
+                "(collectives and specs refer to axes by name). Fix: rename one, e.g. "
+                f"{tuple(a + str(k) if x == a else x for k, x in enumerate(names))}."
+            )
+        seen.add(a)
+    return names
 
 
 def _dist_initialized() -> bool:
@@ -236,4 +301,7 @@ def _world_mesh(shape, names, device) -> Mesh:
         dm = init_device_mesh(device.type, shape, mesh_dim_names=names)
         got = Mesh(torch.arange(n).reshape(shape), names, device=device, device_mesh=dm)
         _WORLD_MESHES[key] = (dist.group.WORLD, got)
+        from .backends import for_mesh
+
+        for_mesh(got)  # its guard and process groups, now, while every rank is in step (docs/distributed.md)
     return got

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import numbers
 
 import torch
 
-from . import context
+from . import context, nesting
 from .backends import for_mesh
+from .compile import check_mesh as check_compilable, register as register_for_compile
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
-from .tensor import ShTensor
+from .tensor import ShTensor, storage_key
 
 
 def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vma=True):
@@ -33,7 +35,9 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
       `P(...)` (how to split that argument) or `None` (a static argument,
       passed through untouched).
     - `out_specs`: a pytree prefix of the outputs; each leaf a `P(...)`.
-    - `axis_names`: the mesh axes the body handles manually (default: all).
+    - `axis_names`: the mesh axes the body handles manually (default: all;
+      inside a body over the same mesh, the axes that body leaves free: the
+      call nests, and its body binds its parent's axes too).
     - `check_vma`: type values by device variance, insert `pvary`s, check
       `out_specs` statically and transpose collectives efficiently.  With
       False, every value counts as varying and autodiff uses JAX's defensive
@@ -63,9 +67,26 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
                 "describe positional arguments only. Fix: pass them positionally, or bind static ones "
                 "with functools.partial before shard_map."
             )
-        return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args)
+        return run(*args)
 
+    # torch.compile: Dynamo traces `mapped` (also when it is the compiled function itself) and
+    # puts `run` in its graph as one node, which AOT autograd traces through (see compile.py).
+    def run(*args):
+        if mesh.is_distributed:
+            check_compilable(mesh)
+        return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args,
+                     default_axes=axis_names is None)
+
+    # Dynamo guards a closure by its code object: each shard_map gets its own, so a graph
+    # compiled for one is never reused for another.
+    n = next(_COUNTER)
+    run.__code__ = run.__code__.replace(co_name=f"shard_map_{n}")
+    mapped.__code__ = mapped.__code__.replace(co_name=f"mapped_{n}")
+    register_for_compile(run)
     return mapped
+
+
+_COUNTER = itertools.count()
 
 
 def _manual_axes(mesh, axis_names):
@@ -91,9 +112,16 @@ def _param_names(f):
         return []
 
 
-def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args):
+def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, *, default_axes=False,
+          parent=None):
     backend = for_mesh(mesh)  # simulated, or one process per device under torch.distributed
-    body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend)
+    if parent is None:
+        parent = nesting.parent_for(mesh, args)
+    if parent is not None:  # nested in a running body: bind axes it leaves free (see nesting.py)
+        manual = nesting.inner_manual(f"shard_map({fname})", mesh, manual, parent, default_axes)
+        body = nesting.inner_body(mesh, manual, parent, check_vma, backend, f"shard_map({fname})")
+    else:
+        body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend)
     leaves = []  # (path, value, spec)
     _match(in_specs, args, "in_specs", leaves, params, top=True, fname=fname)
     values = []
@@ -237,8 +265,14 @@ _VALIDATED: set = set()
 
 
 def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
-    """Validate `spec` for a value of `shape`; a success is remembered (specs are immutable)."""
-    key = (spec, tuple(shape), mesh.axis_names, mesh.axis_sizes, manual, split)
+    """Validate `spec` for a value of `shape`; a success is remembered (specs are immutable).
+
+    Keyed on the exact entries: `P('x', None) == P('x')`, but only the short one fits a rank-1 value.
+    """
+    if not all(type(s) is int for s in shape):  # symbolic sizes (torch.compile dynamic shapes)
+        return _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
+    exact = (tuple(spec), spec.unreduced) if isinstance(spec, PartitionSpec) else spec
+    key = (exact, tuple(shape), mesh.axis_names, mesh.axis_sizes, manual, split)
     if key in _VALIDATED:
         return
     _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
@@ -312,11 +346,16 @@ def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split)
 
 def _enter(path, value, spec, body, mesh, fname, what):
     """Global argument -> body value."""
+    if isinstance(value, ShTensor) and body.parent is not None and value._body is body.parent:
+        _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
+        return nesting.enter(value, spec, body)
     if isinstance(value, ShTensor):
         raise SpecError(
-            f"shard_map({fname}) {path}: got a value of another shard_map body. Nested shard_map over "
-            "the same devices is not supported; pass the outer body's value as a global array instead."
+            f"shard_map({fname}) {path}: got a value of another shard_map body, over a different mesh than this "
+            "call's. A shard_map nests only in a body over the same mesh that leaves axes free "
+            "(axis_names=...). Fix: use the same mesh, or pass the outer body's value as a global array."
         )
+    caller_tensor = isinstance(value, torch.Tensor)  # caller data: read-only in the body
     if isinstance(value, (numbers.Number, bool)) and not isinstance(value, torch.Tensor):
         value = torch.tensor(value)
     if not isinstance(value, torch.Tensor):
@@ -324,7 +363,7 @@ def _enter(path, value, spec, body, mesh, fname, what):
             f"shard_map({fname}) {path}: expected a torch.Tensor or Python number, got "
             f"{type(value).__name__}. Fix: convert it with torch.as_tensor, or mark it static with a None spec."
         )
-    _check_spec(spec, path, value.shape, mesh, body.axes, fname, what=what)
+    _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
     if not mesh.is_distributed and _is_dtensor(value):
         raise TypeError(
             f"shard_map({fname}) {path}: got a DTensor, but mesh {mesh.describe()} is simulated (every device in "
@@ -335,17 +374,33 @@ def _enter(path, value, spec, body, mesh, fname, what):
         value = value.to(mesh.device)
     phys, paxes = body.backend.split(value, spec, body)
     phys, paxes, vma_ = body.backend.input_value(phys, paxes, body)
+    if caller_tensor:
+        _read_only(body, phys, f"{what} of shard_map({fname}) at {path}", vma_)
     if spec.unreduced:
         if not body.check_vma:
             raise SpecError(f"shard_map({fname}) {path}: unreduced in_specs need check_vma=True.")
         axes = body.order(spec.unreduced)
         phys, paxes = body.backend.unreduced_input(phys, paxes, axes, body)
+        if caller_tensor:  # (a fresh tensor on some devices, the caller's on others: read-only on all)
+            _read_only(body, phys, f"{what} of shard_map({fname}) at {path}", vma_ | spec.unreduced)
         return ShTensor(phys, paxes, vma_ | spec.unreduced, body, spec.unreduced)
     return ShTensor(phys, paxes, vma_, body)
 
 
+def _read_only(body, phys, who, vma_):
+    """Mark the storage of an argument's body value: an in-place op on it (or a view of it) raises
+    `InPlaceInputError` naming `who` (tensor.py), on both meshes alike.  JAX arrays are immutable; an
+    in-place update of caller data would differ between one process and one process per device.
+    (`vma_`: the argument's type; a `pvary` of it is a new value, copied on its first in-place update.)"""
+    key = storage_key(phys)
+    if key is not None:
+        body.__dict__.setdefault("read_only", {}).setdefault(key, (who, vma_))
+
+
 def _exit(path, value, spec, body, mesh, fname):
     """Body output -> global value, after the static replication check."""
+    if body.parent is not None:  # nested: back to the parent body's layout
+        return nesting.exit(path, value, spec, body, mesh, fname)
     if isinstance(value, ShTensor):
         if value._body is not body:
             raise VmaError(
@@ -362,6 +417,11 @@ def _exit(path, value, spec, body, mesh, fname):
             "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
         )
     _check_spec(spec, path, x.shape, mesh, body.axes, fname, what="the output", split=False)
+    implicit = spec.unreduced - x._unreduced
+    if implicit and body.check_vma and implicit <= x._vma:
+        # As JAX: a spec unreduced along axes the value varies on makes it a pending sum there (an
+        # implicit pcast(y, axes, to='unreduced')); the output's logical value is the sum over them.
+        x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | implicit)
     if x._unreduced != spec.unreduced:
         raise VmaError(_unreduced_mismatch(fname, path, spec, x, body))
     varying = x._vma - x._unreduced
@@ -374,8 +434,9 @@ def _exit(path, value, spec, body, mesh, fname):
                 f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
                 f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
                 f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
-                f"`shmap.psum(y, {_axes_lit(extra)})` (or `shmap.all_gather`), or name the axis in the "
-                f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
+                f"`shmap.psum(y, {_axes_lit(extra)})`, or gather it with "
+                f"`shmap.all_gather_invariant(y, {_axes_lit(extra)})` (`shmap.all_gather`'s result is typed "
+                f"varying), or name the axis in the spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
             )
     phys, paxes, vma_ = x._phys, x._paxes, x._vma
     if x._unreduced:
@@ -397,6 +458,16 @@ def _exit(path, value, spec, body, mesh, fname):
 
 
 def _unreduced_mismatch(fname, path, spec, x, body):
+    invariant = [a for a in body.order(spec.unreduced) if a not in x._vma]
+    if invariant and body.check_vma and x._unreduced <= spec.unreduced:
+        a = invariant[0]
+        return (
+            f"shard_map({fname}) {path}: its spec {spec} says the output is unreduced along {a!r} (a pending sum "
+            f"over the devices of {a!r}), but the value is invariant along {a!r} (it varies along "
+            f"{fmt_vma(x._vma - x._unreduced, body.axes) if x._vma - x._unreduced else 'no axes'}; mesh "
+            f"{body.describe()}): its sum would be {body.sizes[a]} times the value, which JAX refuses too. "
+            f"Fix: drop {a!r} from unreduced, or `shmap.pvary(y, {a!r})` first if the multiple is intended."
+        )
     if x._unreduced and not spec.unreduced:
         return (
             f"shard_map({fname}) {path}: the output is unreduced along {fmt_vma(x._unreduced, body.axes)} (a pending "

@@ -35,8 +35,8 @@ from torch._C._functorch import (
     _vmap_increment_nesting,
 )
 
-from . import batching, comm, unreduced
-from .errors import VmaError, fmt_vma, varying_control_flow
+from . import batching, comm, context, ops, unreduced
+from .errors import VmaError, fmt_vma, inplace_input, varying_control_flow
 
 
 # --------------------------------------------------------------------------
@@ -50,12 +50,25 @@ class LogComm(torch.autograd.Function):
     of times records the right collective each time (second order included).
     """
 
+    generate_vmap_rule = True  # torch.func transforms of a shard_mapped function (from outside)
+
     @staticmethod
-    def forward(ctx, x, fwd, bwd):
-        ctx.events = (fwd, bwd)
+    def forward(x, fwd, bwd):
         if fwd is not None:
-            comm.record(fwd)
+            ops.record(fwd, x)
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.events = (inputs[1], inputs[2])
+
+    @staticmethod
+    def jvp(ctx, t, _fwd, _bwd):
+        # Forward mode: the tangent goes through the same collective as the primal.
+        fwd = ctx.events[0]
+        if fwd is not None:
+            ops.record(fwd, t)
+        return t.view_as(t)
 
     @staticmethod
     def backward(ctx, g):
@@ -70,16 +83,19 @@ def log_comm(phys, fwd, bwd):
         return phys
     if not (torch.is_grad_enabled() and phys.requires_grad):
         if fwd is not None:
-            comm.record(fwd)
+            ops.record(fwd, phys)
         return phys
     return LogComm.apply(phys, fwd, bwd)
 
 
 def event(kind, axes, logical_shape, dtype):
+    # int(): under torch.compile with dynamic shapes a size may be symbolic; an event reports
+    # concrete bytes, so its sizes are specialised (guarded) in the compiled graph.
+    shape = tuple(int(s) for s in logical_shape)
     numel = 1
-    for s in logical_shape:
-        numel *= int(s)
-    return comm.CommEvent(kind, tuple(axes), numel * dtype.itemsize, tuple(logical_shape), str(dtype))
+    for s in shape:
+        numel *= s
+    return comm.CommEvent(kind, tuple(axes), numel * dtype.itemsize, shape, str(dtype))
 
 
 # --------------------------------------------------------------------------
@@ -246,13 +262,18 @@ def _dispatch(func, args, kwargs):
             if b is not body:
                 if body is None and b.active:
                     body = b
+                elif body is None and context.in_backward():
+                    body = b  # a backward pass recomputing body code (checkpoint) or running a hook
+                    context.used_in_backward(b)
                 else:
-                    _bad_body(func, body, b)
+                    body = _join_bodies(func, body, b)
             union = union | leaf._vma
             tensor_idx.append(k)
             pending = pending or bool(leaf._unreduced)
         elif isinstance(leaf, torch.Tensor):
             tensor_idx.append(k)
+            if torch._C._len_torch_dispatch_stack() and type(leaf) is torch.Tensor:
+                _check_traced_closure(func, leaf)
 
     if kwargs and kwargs.get("out") is not None:
         raise TypeError(
@@ -290,7 +311,11 @@ def _dispatch(func, args, kwargs):
         elif union and not (inplace and leaf is self_val):
             leaves[k] = lift(leaf, union, body)
 
-    if batched and not inplace and batching.direct_ok(func, leaves, batched, out_paxes):
+    direct = batching.DIRECT.get(func) if batched and not inplace else None
+    if direct is not None and direct[0](*_unflatten(treedef, leaves), batched, out_paxes):
+        args, kwargs = _unflatten(treedef, leaves)
+        out = direct[1](batched, out_paxes, *args, **kwargs)  # a hand-written form over the device dims
+    elif batched and not inplace and batching.direct_ok(func, leaves, batched, out_paxes):
         args, kwargs = _unflatten(treedef, leaves)
         out = func(*args, **kwargs)  # device dims broadcast like ordinary leading dims: no vmap needed
     else:
@@ -301,6 +326,34 @@ def _dispatch(func, args, kwargs):
             self_val._lifts = None
         return self_val
     return _wrap_out(out, out_paxes, union, body, out_unreduced)
+
+
+def _join_bodies(func, body, b):
+    """The inner of two bodies when one nests in the other (an outer value closed over
+    inside a nested shard_map: its layout is valid in the inner body too); else an error."""
+    if body is not None and b.active:
+        p = body.parent
+        while p is not None:
+            if p is b:
+                return body
+            p = p.parent
+        p = b.parent
+        while p is not None:
+            if p is body:
+                return b
+            p = p.parent
+    _bad_body(func, body, b)
+
+
+def _check_traced_closure(func, t):
+    """Under torch.compile a tensor closed over by a body is invisible to Dynamo (see compile.py)."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        raise VmaError(
+            f"{_fname(func)}: a shard_map body compiled with torch.compile uses a tensor of shape "
+            f"{tuple(t.shape)} it closes over. torch.compile puts a shard_mapped call in its graph as one "
+            "node and sees only its arguments. Fix: pass the tensor as an argument with in_spec P() "
+            "(replicated), e.g. shard_map(f, in_specs=(..., P()))(..., w)."
+        )
 
 
 def _bad_body(func, body, b):
@@ -408,6 +461,8 @@ def _wrap_out(out, paxes, vma_, body, unreduced_=frozenset()):
 
 
 def _check_inplace(func, self_val, union, body):
+    if isinstance(self_val, ShTensor):
+        _check_not_argument(func, self_val)
     self_vma = self_val._vma if isinstance(self_val, ShTensor) else frozenset()
     if not union <= self_vma:
         what = "a value created outside the body (invariant)" if not isinstance(self_val, ShTensor) else (
@@ -419,6 +474,32 @@ def _check_inplace(func, self_val, union, body):
             "device variance: the result would differ across devices but the target may not. "
             "Fix: compute out of place, e.g. `x = x + y`, or `x = shmap.pvary(x, axes)` first."
         )
+
+
+def storage_key(t):
+    """Identity of `t`'s storage (views share it), or None where there is none to read (fake tensors)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - functorch wrappers, FakeTensor under torch.compile
+        return None
+    return ptr or None  # empty tensors all sit at 0
+
+
+def _check_not_argument(func, x):
+    """Arguments are read-only in the body (shard_map marks their storage; see shard_map._read_only).
+
+    An argument or a view of it (same type) raises; a `pvary` of one (a new value in JAX, sharing the
+    storage) gets its own copy first, on both meshes (the simulated one would copy its stride-0
+    layout anyway; a distributed block would otherwise write into the caller's tensor).
+    """
+    marked = x._body.__dict__.get("read_only")
+    if marked:
+        got = marked.get(storage_key(x._phys))
+        if got is not None:
+            who, arg_vma = got
+            if x._vma <= arg_vma:
+                raise inplace_input(_fname(func), who, x._body)
+            x._phys = x._phys.clone()
 
 
 def _make_writable(x: ShTensor):
@@ -469,6 +550,28 @@ def _requires_grad_(func, args, kwargs):
     x._phys.requires_grad_(flag)
     x._lifts = None
     return x
+
+
+def _requires_grad_set(func, args, kwargs):
+    x = args[0]
+    x._phys.requires_grad = args[1]
+    x._lifts = None
+
+
+def _autograd_backward(func, args, kwargs):
+    tensors = args[0] if args else kwargs.pop("tensors")
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    grads = kwargs.pop("grad_tensors", None) if len(args) < 2 else args[1]
+    if grads is None or isinstance(grads, torch.Tensor):
+        grads = [grads] * len(tensors) if grads is None else [grads]
+    inputs = kwargs.pop("inputs", None)
+    if inputs is not None:
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        inputs = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
+    phys = [t._phys if isinstance(t, ShTensor) else t for t in tensors]
+    seeds = [_seed_grad(t, g) for t, g in zip(tensors, grads)]
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.autograd.backward(phys, seeds, inputs=inputs, **kwargs)
 
 
 def _retain_grad(func, args, kwargs):
@@ -621,6 +724,8 @@ _SPECIAL[_T.grad.__get__] = _grad_get
 _SPECIAL[_T.data.__get__] = _data_get
 _SPECIAL[_T.requires_grad_] = _requires_grad_
 _SPECIAL[_T.retain_grad] = _retain_grad
+_SPECIAL[_T.requires_grad.__set__] = _requires_grad_set
+_SPECIAL[torch.autograd.backward] = _autograd_backward
 _SPECIAL[_T.register_hook] = _register_hook
 _SPECIAL[_T.__hash__] = _hash
 _SPECIAL[_T.__iter__] = _iter

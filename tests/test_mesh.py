@@ -23,6 +23,37 @@ def test_make_mesh_errors(shape, names, match):
         shmap.make_mesh(shape, names)
 
 
+@pytest.mark.parametrize("shape,err,match", [
+    ((2.5,), TypeError, r"axis 0 of shape \(2.5,\) has size 2.5 \(float\); every axis size must be a positive int"),
+    (("4",), TypeError, r"axis 0 of shape \('4',\) has size '4' \(str\).*Fix:.*int\('4'\)"),
+    ((2, True), TypeError, r"axis 1 .* has size True \(bool\)"),
+    ((2, -1), ValueError, r"axis 1 of shape \(2, -1\) has size -1; every axis size must be >= 1"),
+    (4, TypeError, r"shape must be a sequence of axis sizes, got int 4. Fix: e.g. make_mesh\(\(4,\), \('i',\)\)"),
+])
+def test_make_mesh_sizes_must_be_positive_ints(shape, err, match):
+    names = ("i", "j")[: len(shape)] if isinstance(shape, tuple) else ("i",)
+    with pytest.raises(err, match=match):
+        shmap.make_mesh(shape, names)
+
+
+def test_make_mesh_accepts_integer_scalars():
+    import numpy as np
+
+    m = shmap.make_mesh((np.int64(2), torch.tensor(3)), ["a", "b"])
+    assert m.axis_sizes == (2, 3) and all(type(s) is int for s in m.axis_sizes) and m.axis_names == ("a", "b")
+
+
+@pytest.mark.parametrize("names,err,match", [
+    (("i", "i"), ValueError, r"axis name 'i' appears twice in \('i', 'i'\).*Fix: rename one"),
+    (("i", 3), TypeError, r"axis name 1 of \('i', 3\) is 3 \(int\); axis names must be non-empty strings"),
+    (("i", ""), TypeError, r"axis name 1 .* is '' \(str\)"),
+    ("ij", TypeError, r"got the string 'ij' \(which would be read as 2 one-letter names\).*\('i', 'j'\)"),
+])
+def test_make_mesh_names_must_be_unique_strings(names, err, match):
+    with pytest.raises(err, match=match):
+        shmap.make_mesh((2, 2), names)
+
+
 def test_mesh_rejects_duplicate_names():
     with pytest.raises(ValueError, match="distinct"):
         shmap.Mesh(torch.arange(4).reshape(2, 2), ("i", "i"))

@@ -16,4 +16,4 @@ def test_readme_examples_run():
 
 def test_readme_names_the_two_commands():
     text = README.read_text()
-    assert "make demo" in text and "make test" in text
+    assert "make train" in text and "make test" in text

@@ -234,3 +234,138 @@ def test_invariant_output_tiled_into_a_mapped_spec_transposes_to_a_psum():
         (g,) = torch.autograd.grad(out, x, ct)
     assert log.summary() == {"psum": 1}
     torch.testing.assert_close(g, sum(ct.chunk(4)).repeat(4))
+
+
+# --------------------------------------------------------------------------
+# Issue 10: exact spec validation, read-only arguments, messages, unreduced out_specs
+# --------------------------------------------------------------------------
+def test_spec_validation_is_keyed_on_the_exact_spec():
+    """P('i', None) == P('i'), but only the short one fits a rank-1 value (and P(None) no 0-d one),
+    also after the short one was validated for that shape."""
+    ident = lambda v: v  # noqa: E731
+    sm(ident, P("i"), P("i"))(torch.randn(8))
+    with pytest.raises(shmap.SpecError, match=r"in_specs\[0\]: P\('i', None\) has 2 entries but argument 0 "
+                                              r"\('v'\) has rank 1 .*Fix: give at most 1 entries, e.g. P\('i'\)"):
+        sm(ident, P("i", None), P("i"))(torch.randn(8))
+    sm(ident, P(), P())(torch.tensor(3.0))
+    with pytest.raises(shmap.SpecError, match=r"P\(None\) has 1 entries but argument 0 \('v'\) has rank 0"):
+        sm(ident, P(None), P())(torch.tensor(3.0))
+    with pytest.raises(shmap.SpecError, match=r"out_specs: P\(None\) has 1 entries but the output has rank 0"):
+        sm(ident, P(), P(None))(torch.tensor(3.0))
+
+
+def test_inplace_update_of_an_argument_raises_naming_it():
+    x, w = torch.zeros(8), torch.ones(2)
+
+    def bump(a, b):
+        a.add_(b)
+        return a
+
+    for spec in (P("i"), P()):
+        with pytest.raises(shmap.InPlaceInputError) as e:
+            sm(bump, (spec, P()), spec)(x, w)
+        msg = str(e.value)
+        assert msg.startswith("TensorBase.add_: in-place update of argument 0 ('a') of shard_map(bump) at in_specs[0]")
+        assert "read-only" in msg and "immutable" in msg and "Fix:" in msg and "x = x.clone()" in msg
+    assert torch.equal(x, torch.zeros(8))  # the caller's tensor is untouched
+
+    def through_a_view(a):
+        a[0].mul_(2)
+        return a
+
+    with pytest.raises(shmap.InPlaceInputError, match=r"mul_: in-place update of argument 0 \('a'\)"):
+        sm(through_a_view, P("i"), P("i"))(x)
+
+    def setitem(a, b):
+        b[0] = 1.0
+        return a
+
+    with pytest.raises(shmap.InPlaceInputError, match=r"__setitem__: in-place update of argument 1 \('b'\) of "
+                                                       r"shard_map\(setitem\) at in_specs\[1\]"):
+        sm(setitem, (P("i"), P()), P("i"))(x, w)
+
+
+def test_inplace_update_of_a_requires_grad_leaf_names_the_argument_not_torchs_leaf_rule():
+    x = torch.zeros(8, requires_grad=True)
+
+    def bump(a):
+        a += 1
+        return a
+
+    with pytest.raises(shmap.InPlaceInputError, match=r"add_: in-place update of argument 0 \('a'\)") as e:
+        sm(bump, P("i"), P("i"))(x)
+    assert "leaf" not in str(e.value)
+
+
+def test_inplace_updates_of_values_made_in_the_body_still_work():
+    x, w = torch.randn(8), torch.randn(2)
+    w0 = w.clone()
+
+    def body(a, b, k):
+        y = a * 1
+        y.add_(b)
+        y[0] = 7.0
+        c = shmap.pvary(b, "i")  # a new value sharing b's storage: copied on its first in-place update
+        c.mul_(k)
+        k += 1  # a Python number argument is no caller tensor
+        return y, c + k
+
+    y, c = sm(body, (P("i"), P(), P()), (P("i"), P("i")))(x, w, 2.0)
+    want = x + w.repeat(4)
+    want[::2] = 7.0
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(c, (w * 2 + 3).repeat(4))
+    assert torch.equal(w, w0)  # the pvary'd copy was updated, not the caller's tensor
+
+
+def test_all_gather_into_an_unsplit_spec_suggests_all_gather_invariant():
+    with pytest.raises(shmap.VmaError) as e:
+        sm(lambda v: shmap.all_gather(v, "i", tiled=True), P("i"), P())(torch.randn(8))
+    msg = str(e.value)
+    assert "shmap.all_gather_invariant(y, 'i')" in msg and "`shmap.psum(y, 'i')`" in msg
+    assert "(or `shmap.all_gather`)" not in msg
+
+
+def test_varying_control_flow_message_names_the_mesh_it_runs_on():
+    from shmap.errors import varying_control_flow
+
+    sim = shmap.make_mesh((4,), ("i",))
+    on_processes = shmap.Mesh(torch.arange(4), ("i",), device_mesh=object())  # as make_mesh builds under torchrun
+    s = str(varying_control_flow("`.item()`", {"i"}, sim))
+    d = str(varying_control_flow("`.item()`", {"i"}, on_processes))
+    assert "the simulated mesh refuses" in s
+    assert "simulated mesh refuses" not in d and "Each process would take its own branch" in d
+    assert "varies across devices along {'i'} of mesh (i=4)" in d and "Fix:" in d
+
+
+def test_unreduced_out_spec_on_a_varying_value_is_a_pending_sum_as_jax():
+    """out_specs=P(..., unreduced={'j'}) on a value varying along 'j' (no pcast): its logical value is the
+    sum over 'j' (JAX inserts the varying->unreduced cast); gradients flow to every term."""
+    from differential import assert_close
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as JP
+
+    x = torch.randn(8, 4, requires_grad=True)
+    f = sm(lambda v: torch.sin(v) * 2, P("i", "j"), P("i", unreduced={"j"}))
+    out = f(x)
+    torch.testing.assert_close(out, sum((torch.sin(x) * 2).chunk(2, dim=1)))
+    ct = torch.randn(8, 2)
+    (g,) = torch.autograd.grad(out, x, ct)
+    torch.testing.assert_close(g, 2 * torch.cos(x) * ct.repeat(1, 2))
+
+    mesh = jax.make_mesh((4, 2), ("i", "j"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        xa = jax.device_put(x.detach().numpy(), NamedSharding(mesh, JP("i", "j")))
+        jf = jax.shard_map(lambda v: jax.numpy.sin(v) * 2, mesh=mesh, in_specs=JP("i", "j"),
+                           out_specs=JP("i", unreduced={"j"}))
+        jout = jax.reshard(jf(xa), JP())
+        jg = jax.grad(lambda v: (jax.reshard(jf(v), JP()) * ct.numpy()).sum())(xa)
+    assert_close(out.detach().numpy(), np.asarray(jout), "output")
+    assert_close(g.numpy(), np.asarray(jg), "gradient")
+
+
+def test_unreduced_out_spec_on_an_invariant_value_raises_as_jax():
+    with pytest.raises(shmap.VmaError, match=r"unreduced along 'j' .* but the value is invariant along 'j' .*"
+                                             r"would be 2 times the value.*Fix: drop 'j' from unreduced"):
+        sm(lambda v: v * 2, P("i"), P("i", unreduced={"j"}))(torch.randn(8))

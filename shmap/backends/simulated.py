@@ -34,6 +34,9 @@ class Simulated:
         """
         if not spec.axes():
             return x, ()
+        if not all(type(s) is int for s in x.shape):  # symbolic sizes (torch.compile dynamic shapes)
+            shape, perm, paxes = self._split_plan(x, spec, body)
+            return x.reshape(shape).permute(perm), paxes
         key = (spec, tuple(x.shape), body.axes, tuple(body.sizes.values()))
         got = _SPLITS.get(key)
         if got is None:
@@ -107,7 +110,7 @@ class Simulated:
         """The logical value of a pending sum: the sum of its terms (no collective is recorded:
         the caller, not the program, asked for it)."""
         dims = [paxes.index(a) for a in axes]
-        return phys.sum(dims), tuple(a for a in paxes if a not in axes)
+        return _device_sum(phys, dims), tuple(a for a in paxes if a not in axes)
 
     # ------------------------------------------------------------------
     # Automatic pvary: a physical no-op (see tensor.py)
@@ -251,10 +254,19 @@ def _sum_over(phys, paxes, axes, body):
     is broadcast along (typed varying by a lift, stored once). Returns (sum, remaining paxes)."""
     dims = [paxes.index(a) for a in axes if a in paxes]
     missing = [a for a in axes if a not in paxes]
-    out = phys.sum(dims) if dims else phys
+    out = _device_sum(phys, dims) if dims else phys
     if missing:
         out = out * math.prod(body.sizes[a] for a in missing)
     return out, tuple(a for a in paxes if a not in axes)
+
+
+def _device_sum(t, dims):
+    """Sum over device dims in the operand's dtype: integers wrap, as on one process per device
+    (torch.distributed) and in JAX, instead of torch's promotion to int64.  Floating sums keep
+    torch's own (float32 accumulation for 16-bit floats, rounded once)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.sum(dims)
+    return t.sum(dims, dtype=t.dtype)
 
 
 def _gather_front(phys, paxes, axes, body):

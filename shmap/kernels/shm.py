@@ -511,7 +511,11 @@ class ShmComm:
                 kernel(*plan["refs"])
         finally:
             set_context(None)
-        self._leftovers(range(first_slot, dev.slot_max), sem_names, "the kernel ended")
+        if outputs != "offsets":
+            # (A ShmGroup worker leaves this to its parent, which checks every device once all have
+            # finished: a worker raising here would stop its peers before their own check, and the
+            # report would name only the first device that leaked.)
+            self._leftovers(range(first_slot, dev.slot_max), sem_names, "the kernel ended")
         if check_late and sync == "barrier":
             self._publish(dev, sem_names)
         else:

@@ -25,7 +25,7 @@ class Config:
     """Everything a training run depends on (model shape, mesh, schedule, I/O)."""
 
     mesh: dict | None = field(default_factory=lambda: {"fsdp": 2, "tensor": 4})  # None: plain PyTorch
-    steps: int = 1500
+    steps: int = 600
     batch_size: int = 32
     seq_len: int = 128
     layers: int = 4
@@ -34,6 +34,8 @@ class Config:
     mlp_dim: int = 512
     vocab_size: int = 256  # bytes
     block: str = "prenorm"
+    remat: bool = False      # activation checkpointing: recompute each layer in the backward pass
+    compile: bool = False    # torch.compile the loss (forward and backward)
     lr: float = 3e-3
     warmup: int = 100
     min_lr_ratio: float = 0.1
@@ -49,7 +51,7 @@ class Config:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
-    eval_every: int = 250
+    eval_every: int = 100
     eval_batches: int = 4
     progress: bool = True
     sample_prompt: str = "ROMEO:\n"
@@ -179,6 +181,10 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--block", choices=BLOCKS, default=d.block,
                    help="prenorm: RMSNorm before attention and MLP (default, trains faster); cookbook: the "
                         "cookbook's post-residual x*rsqrt(|x|+1e-6)")
+    p.add_argument("--remat", action="store_true",
+                   help="activation checkpointing: keep each layer's input, recompute the layer in the backward")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the loss and its backward (the first step pays the compilation)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps, then cosine decay")
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip (0: off)")
@@ -204,7 +210,8 @@ def parse_args(argv=None) -> Config:
         p.error(str(e))
     cfg = Config(
         mesh=mesh, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, layers=a.layers,
-        embed_dim=a.embed_dim, heads=a.heads, mlp_dim=a.mlp_dim, block=a.block, lr=a.lr, warmup=a.warmup,
+        embed_dim=a.embed_dim, heads=a.heads, mlp_dim=a.mlp_dim, block=a.block, remat=a.remat,
+        compile=a.compile, lr=a.lr, warmup=a.warmup,
         clip=a.clip, seed=a.seed, dtype=a.dtype, data=a.data, out=a.out, checkpoint_dir=a.checkpoint_dir,
         checkpoint_every=a.checkpoint_every, resume=a.resume, eval_every=a.eval_every,
         eval_batches=a.eval_batches, progress=not a.no_progress, sample_prompt=a.prompt,

@@ -23,6 +23,7 @@ import math
 import optree
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import shmap
 from shmap import P
@@ -173,35 +174,51 @@ def _cookbook_norm(x):
     return x * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-6)
 
 
+def block(cfg: Config, layout: Layout, sp: dict, p: dict, x):
+    """One decoder layer on this device's rows: attention then MLP, each added to the residual stream.
+
+    With FSDP each weight is all-gathered just before use (and, under `--remat`,
+    gathered again when the backward pass recomputes the layer: the cookbook's
+    "parameters unsharded one by one, briefly").
+    """
+    cdt = compute_dtype(cfg)
+    prenorm = cfg.block == "prenorm"
+
+    def w(t, spec):  # cast first, so FSDP gathers compute-dtype bytes
+        return layout.gather(t.to(cdt), spec)
+
+    h = _rms_norm(x, p["norm1"].to(cdt)) if prenorm else x
+    qkv = torch.einsum("bsd,tdhk->tbhsk", h, w(p["attention"]["qkv"], sp["attention"]["qkv"]))
+    q, k, v = qkv.unbind(0)  # (its backward stacks; indexing would zero-fill qkv three times)
+    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, k)
+    att = torch.einsum("bhsk,hkd->bsd", att, w(p["attention"]["out"], sp["attention"]["out"]))
+    x = x + layout.sum_partial(att)
+    if not prenorm:
+        x = _cookbook_norm(x)
+
+    h = _rms_norm(x, p["norm2"].to(cdt)) if prenorm else x
+    h = F.gelu(h @ w(p["mlp"]["in_kernel"], sp["mlp"]["in_kernel"]))
+    h = h @ w(p["mlp"]["out_kernel"], sp["mlp"]["out_kernel"])
+    x = x + layout.sum_partial(h)
+    return _cookbook_norm(x) if not prenorm else x
+
+
 def forward(cfg: Config, layout: Layout, specs: dict, params: dict, tokens):
     """Per-device logits for per-device token rows `tokens` (b, s): the body of every mesh."""
     cdt = compute_dtype(cfg)
 
-    def w(x, spec):  # cast first, so FSDP gathers compute-dtype bytes
-        return layout.gather(x.to(cdt), spec)
+    def w(t, spec):
+        return layout.gather(t.to(cdt), spec)
 
     s = tokens.shape[-1]
     x = F.embedding(tokens, w(params["embedding"], specs["embedding"]))
     x = x + w(params["pos_embed"], specs["pos_embed"])[:s]
     for i in range(cfg.layers):
         p, sp = params["layers"][str(i)], specs["layers"][str(i)]
-        prenorm = cfg.block == "prenorm"
-
-        h = _rms_norm(x, p["norm1"].to(cdt)) if prenorm else x
-        qkv = torch.einsum("bsd,tdhk->tbhsk", h, w(p["attention"]["qkv"], sp["attention"]["qkv"]))
-        att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (b, heads, s, k)
-        att = torch.einsum("bhsk,hkd->bsd", att, w(p["attention"]["out"], sp["attention"]["out"]))
-        x = x + layout.sum_partial(att)
-        if not prenorm:
-            x = _cookbook_norm(x)
-
-        h = _rms_norm(x, p["norm2"].to(cdt)) if prenorm else x
-        h = F.gelu(h @ w(p["mlp"]["in_kernel"], sp["mlp"]["in_kernel"]))
-        h = h @ w(p["mlp"]["out_kernel"], sp["mlp"]["out_kernel"])
-        x = x + layout.sum_partial(h)
-        if not prenorm:
-            x = _cookbook_norm(x)
-
+        if cfg.remat:  # keep only each layer's input; recompute the rest in the backward pass
+            x = checkpoint(block, cfg, layout, sp, p, x, use_reentrant=False)
+        else:
+            x = block(cfg, layout, sp, p, x)
     if cfg.block == "prenorm":
         x = _rms_norm(x, params["final_norm"].to(cdt))
     return x @ w(params["linear_out"]["kernel"], specs["linear_out"]["kernel"])

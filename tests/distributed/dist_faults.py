@@ -15,7 +15,8 @@ def _rank():
 
 
 def _mesh():
-    return shmap.make_mesh((4,), ("i",))
+    import torch.distributed as dist
+    return shmap.make_mesh((dist.get_world_size(),), ("i",))
 
 
 def raise_in_body(bad_rank):
@@ -44,7 +45,9 @@ def raise_in_backward(bad_rank):
 
 
 def mismatches():
-    """Several mismatched programs in one world: each is reported on every rank, and the world goes on."""
+    """Several mismatched programs in one world (strict checks): each is reported on every rank, and the
+    world goes on."""
+    shmap.configure_distributed(check_collectives="strict")
     rank = _rank()
     mesh = _mesh()
     seen = []
@@ -96,4 +99,127 @@ def skip_unchecked(skip_rank):
     def body(x):
         return x if _rank() == skip_rank else shmap.pvary(shmap.psum(x, "i"), "i")
     shmap.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))(torch.ones(8))
+    return "finished"
+
+
+# -- the fault-injection suite (default checks; every rank must end non-zero, the culprit named) --------
+def _x():
+    import torch.distributed as dist
+    return torch.ones(2 * dist.get_world_size())
+
+
+def _psum_program(x=None):
+    f = shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=_mesh(), in_specs=P("i"), out_specs=P())
+    import torch.distributed as dist
+    return f(torch.ones(2 * dist.get_world_size()) if x is None else x).full_tensor().tolist()
+
+
+def sigkill_in_body(bad_rank, timeout=20.0):
+    """`bad_rank` is SIGKILLed inside the body: no exception, no report; its connections just close."""
+    import os
+    import signal
+
+    shmap.configure_distributed(timeout=timeout)
+    _mesh()
+
+    def body(x):
+        if _rank() == bad_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return shmap.psum(x, "i")
+    shmap.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P())(_x())
+    return "finished"
+
+
+def return_before_first(bad_rank, timeout=20.0):
+    """`bad_rank` returns right after make_mesh; the others run a shard_map."""
+    shmap.configure_distributed(timeout=timeout)
+    _mesh()
+    if _rank() == bad_rank:
+        return "returned early"
+    _psum_program()
+    return "finished"
+
+
+def return_between(bad_rank, timeout=20.0):
+    """`bad_rank` returns after the first of two shard_maps."""
+    shmap.configure_distributed(timeout=timeout)
+    _psum_program()
+    if _rank() == bad_rank:
+        return "returned early"
+    _psum_program()
+    return "finished"
+
+
+def other_collective(bad_rank, timeout=20.0):
+    """`bad_rank` calls all_gather where the others call psum (default checks)."""
+    shmap.configure_distributed(timeout=timeout)
+
+    def body(v):
+        if _rank() == bad_rank:
+            return shmap.all_gather(v, "i", tiled=True)
+        return shmap.pvary(shmap.psum(v, "i"), "i")
+    shmap.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))(_x())
+    return "finished"
+
+
+def other_shape_bigger(bad_rank):
+    return other_shape(bad_rank, True)
+
+
+def other_shape(bad_rank, bigger=False, timeout=20.0):
+    """`bad_rank` psums a block of another shape, smaller or `bigger` (default checks).  gloo aborts the
+    process that receives more data than it expects: the culprit, or its peers."""
+    shmap.configure_distributed(timeout=timeout)
+
+    def body(v):
+        if _rank() == bad_rank:
+            v = torch.cat([v, v]) if bigger else v[:1]
+        return shmap.pvary(shmap.psum(v, "i"), "i")[:1]
+    shmap.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))(_x())
+    return "finished"
+
+
+def skipped_same_shape(bad_rank, timeout=20.0):
+    """`bad_rank` skips the first of two psums of the same shape: its data would silently pair with the
+    others' second one; the shard_map count in the next signature gives it away (default checks)."""
+    shmap.configure_distributed(timeout=timeout)
+
+    def body(v):
+        if _rank() != bad_rank:
+            v = shmap.pvary(shmap.psum(v, "i"), "i")
+        return shmap.pvary(shmap.psum(v, "i"), "i")
+    f = shmap.shard_map(body, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))
+    f(_x())
+    f(_x())
+    return "finished"
+
+
+def all_collectives_pass():
+    """Every collective kind, forward and backward, with the default checks (nothing is flagged)."""
+    mesh = _mesh()
+    ring = [(s, (s + 1) % 4) for s in range(4)]
+    w = torch.ones(8, requires_grad=True)
+
+    def body(v):
+        a = shmap.all_gather(v, "i", tiled=True)
+        b = shmap.psum_scatter(a, "i", tiled=True)
+        c = shmap.ppermute(b, "i", ring)
+        d = shmap.all_to_all(c.reshape(2, 1).expand(2, 4).reshape(8), "i", 0, 0, tiled=True)
+        e = shmap.pmax(d.sum(), "i") + shmap.pmin(d.sum(), "i")
+        ints = shmap.psum((v.detach() > 0).to(torch.int8), "i")
+        return shmap.psum(d.sum() + e, "i") + ints.sum()
+    out = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())(w)
+    out.full_tensor().backward()
+    return out.full_tensor().item(), w.grad.tolist()
+
+
+def hang_in_psum_scatter(slow_rank, timeout):
+    """As `hang`, in a psum_scatter (whose gloo wait ignores timeouts: a helper thread waits for it)."""
+    shmap.configure_distributed(timeout=timeout)
+
+    def body(x):
+        if _rank() == slow_rank:
+            time.sleep(120)
+        return shmap.psum_scatter(x, "i", tiled=True)
+    shmap.shard_map(body, mesh=_mesh(), in_specs=P(), out_specs=P("i"))(_x().repeat(4))
     return "finished"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,9 +17,10 @@ ROOT = HERE.parents[1]
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
-def torchrun(script, nproc=4, timeout=150):
+def torchrun(script, *args, nproc=4, timeout=150):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+           *map(str, args)]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return p, time.monotonic() - t0
@@ -37,6 +39,12 @@ def test_the_documented_example_runs_under_torchrun():
     assert "{'psum': 2}" in p.stdout  # one forward psum, one on w's gradient
 
 
+def _root_cause(out) -> str:
+    """The rank torchrun's failure summary names as the root cause."""
+    m = re.search(r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:.*\n)*?\s*rank\s*: (\d+)", out)
+    return m and m.group(1)
+
+
 def test_a_failing_rank_ends_the_torchrun_job_in_bounded_time():
     script = HERE / "torchrun_fail.py"
     p, elapsed = torchrun(script)
@@ -46,6 +54,33 @@ def test_a_failing_rank_ends_the_torchrun_job_in_bounded_time():
     assert "ValueError: torchrun boom on rank 2" in out
     assert "unreachable" not in out
     assert not _alive(script), _alive(script)
+    # The failing rank leaves first (its error file written), so torchrun names it, not a rank that
+    # merely stopped waiting for it.
+    assert _root_cause(out) == "2", out[-3000:]
+    assert "error_file: <N/A>" not in out.split("Root Cause")[1]
+
+
+@pytest.mark.parametrize("case, named", [
+    ("return_before_first", "rank 1 of its group finished the program"),
+    # torchrun stops the others as soon as it sees rank 1 die: its summary names the signal
+    ("sigkill_in_body", "Signal 9 (SIGKILL) received by PID"),
+    ("other_shape", "Received data size doesn't match expected size"),  # gloo aborts rank 1
+])
+def test_faults_under_torchrun_end_every_rank_naming_the_culprit(case, named):
+    """3 processes, rank 1 at fault: the job fails, torchrun's root cause is rank 1 (the others wait for
+    it to be gone before they leave), the others' errors name it, and no process is left."""
+    script = HERE / "torchrun_faults.py"
+    p, elapsed = torchrun(script, case, 1, nproc=3)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert not re.search(r"rank [02] returned", out), out[-3000:]
+    assert named in out, out[-3000:]
+    assert _root_cause(out) == "1", out[-3000:]
+    if case == "return_before_first":  # rank 1 heard that the others failed waiting for it
+        assert "shmap: rank 1 finished its program" in out and "because this rank ended early" in out
+    assert not _alive(script), _alive(script)
+    # What bounds the job is shmap's detection (the rest is starting 3 Pythons with torch on 2 cores).
+    assert elapsed < 60, f"{elapsed:.0f} s"
 
 
 # -- shmap.spawn, the local launcher -------------------------------------------
@@ -80,6 +115,10 @@ def test_configure_distributed_validates_and_returns_the_previous_settings():
         assert shmap.configure_distributed()["timeout"] == 12.5
         with pytest.raises(ValueError, match="timeout"):
             shmap.configure_distributed(timeout=0)
+        assert shmap.configure_distributed(check_collectives="strict")["check_collectives"] is True  # default
+        assert shmap.configure_distributed(check_collectives=False)["check_collectives"] == "strict"
+        with pytest.raises(ValueError, match="check_collectives"):
+            shmap.configure_distributed(check_collectives="sometimes")
     finally:
         from shmap.backends import watchdog
         watchdog._OPTIONS.update(prev)

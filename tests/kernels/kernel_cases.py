@@ -199,3 +199,13 @@ def transport_rank(rank, world, name, capacities, results):
             report.append((f"capacity={capacity} {check}", err))
         tr.close()
     results.put((rank, report))
+
+
+def leaks_on_odd_devices(x, o, send, recv):
+    """Bug on devices 1 and 3 only: they never wait for their send semaphore."""
+    me, n = K.device_id(), K.num_devices()
+    copy = K.remote_copy(x, o, send, recv, (me + 1) % n)
+    copy.start()
+    if me % 2 == 0:
+        copy.wait_send()
+    copy.wait_recv()

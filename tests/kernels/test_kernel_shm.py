@@ -62,6 +62,23 @@ def test_leftover_semaphore(shm_group):
     assert_group_usable(shm_group)
 
 
+def test_leftover_semaphores_of_every_device_are_reported(shm_group):
+    """The parent checks every device once all have finished: every leak is reported, not only the first
+    worker's (a worker raising on its own leak used to stop its peers before their check)."""
+    with pytest.raises(K.SemaphoreLeakError) as info:
+        run_case(shm_group, cases.missing_wait_send, n=3)
+    msg = str(info.value)
+    for d in range(3):
+        assert f"device {d}: semaphore 'send' (DMA) = 16" in msg
+    assert msg.startswith("the kernel ended with 3 semaphore(s) not at zero")
+    with pytest.raises(K.SemaphoreLeakError) as info:
+        run_case(shm_group, cases.leaks_on_odd_devices, n=4)
+    msg = str(info.value)
+    assert "device 1: semaphore 'send'" in msg and "device 3: semaphore 'send'" in msg
+    assert "device 0:" not in msg and "device 2:" not in msg
+    assert_group_usable(shm_group)
+
+
 def test_kernel_must_be_importable(shm_group):
     def local_kernel(x, o, send, recv):
         pass

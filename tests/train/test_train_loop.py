@@ -42,7 +42,7 @@ def test_the_run_writes_metrics_a_plot_and_a_sample(tmp_path):
     assert [r["step"] for r in train] == [0, 1, 2, 3]
     assert set(train[0]) == {"step", "train_loss", "lr", "grad_norm", "tokens_per_s"}
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in train)
-    assert [r["step"] for r in val] == [1, 3] and val[-1]["val_loss"] == res["final_val_loss"]
+    assert [r["step"] for r in val] == [2, 4]  # after 2 and 4 updates and val[-1]["val_loss"] == res["final_val_loss"]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sample = (out / "sample.txt").read_text()
     assert sample.startswith("ROMEO:\n") and len(sample.encode()) >= len("ROMEO:\n") + 1
@@ -106,3 +106,31 @@ def test_the_command_runs_and_reports_bad_flags(tmp_path):
     p = subprocess.run([sys.executable, "-m", "shmap.train", "--data", str(tmp_path / "missing.txt")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "--data" in p.stderr and "no such file" in p.stderr
+
+
+def test_activation_checkpointing_trains_to_the_same_losses_and_regathers_in_the_backward():
+    import optree
+    import shmap
+
+    plain = _losses(loop.train(tiny("fsdp=2,tensor=2"), **QUIET))
+    remat = _losses(loop.train(tiny("fsdp=2,tensor=2", remat=True), **QUIET))
+    assert remat == pytest.approx(plain, rel=1e-12)
+    counts = {}
+    for flag in (False, True):
+        run = loop.Run(tiny("fsdp=2", remat=flag))
+        params, _ = run.fresh_state()
+        leaves, treedef = optree.tree_flatten(params)
+        leaves = [p.requires_grad_() for p in leaves]
+        loss = run.loss(optree.tree_unflatten(treedef, leaves), run.batch(0))
+        with shmap.comm_log() as log:
+            torch.autograd.grad(loss, leaves)
+        counts[flag] = log.summary()
+    assert counts[False].get("all_gather", 0) == 0
+    assert counts[True]["all_gather"] == 4 * 2  # each layer's four matmul weights, gathered again
+    assert counts[True]["psum_scatter"] == counts[False]["psum_scatter"]
+
+
+def test_a_compiled_loss_trains_to_the_eager_losses():
+    eager = _losses(loop.train(tiny("fsdp=2,tensor=2", steps=3), **QUIET))
+    compiled = _losses(loop.train(tiny("fsdp=2,tensor=2", steps=3, compile=True), **QUIET))
+    assert compiled == pytest.approx(eager, rel=1e-10)

@@ -91,3 +91,23 @@ def test_the_recipe_uses_only_shmaps_public_api():
             if isinstance(node, ast.Import):
                 for a in node.names:
                     assert not a.name.startswith("shmap.") or a.name == "shmap", f"{path.name}: import {a.name}"
+
+
+def test_the_readme_spec_table_is_the_code():
+    """Every parameter row of the README's table equals `param_specs` on that mesh."""
+    import re
+
+    text = (Path(model.__file__).parents[2] / "README.md").read_text()
+    rows = {m.group(1): [c.strip().strip("`") for c in m.group(2).split("|")[0:4]]
+            for m in re.finditer(r"^\| ([a-zA-Z_ ]+) \| \([^)]*\) \|(.*)\|$", text, flags=re.M)}
+    where = {"embedding": ("embedding",), "pos_embed": ("pos_embed",),
+             "attention qkv": ("layers", "0", "attention", "qkv"), "attention out": ("layers", "0", "attention", "out"),
+             "MLP in": ("layers", "0", "mlp", "in_kernel"), "MLP out": ("layers", "0", "mlp", "out_kernel"),
+             "output kernel": ("linear_out", "kernel"), "norm scales": ("final_norm",)}
+    meshes = ["data=2", "fsdp=2", "tensor=2", "data=2,fsdp=2,tensor=2"]
+    for name, path in where.items():
+        for mesh, cell in zip(meshes, rows[name]):
+            spec = model.param_specs(tiny(mesh), model.Layout(tiny(mesh).mesh))
+            for k in path:
+                spec = spec[k]
+            assert repr(spec) == cell, (name, mesh)

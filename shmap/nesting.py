@@ -1,0 +1,244 @@
+"""Nested bodies: a shard_map (or pmap) called inside another body.
+
+An outer `shard_map(..., axis_names={'i'})` handles 'i' manually and leaves
+the other mesh axes free: its values are whole along them.  A `shard_map`
+inside its body binds some of those free axes.  The inner body binds its own
+axes *and* its parent's (a collective over 'i' works inside it, on the same
+devices), so its values are typed over both: a value entering from the outer
+body keeps its variance along 'i' and gains the axes its in_spec splits.
+
+On the simulated mesh this is a change of layout only.  An outer value is
+`[outer varying axes] + logical`; the inner in_spec cuts logical dimensions
+into blocks whose device dims join the leading ones in mesh order, and the
+out_spec puts them back.  Both are views (reshape + permute), so autograd
+differentiates through the nesting as through any op, with the collectives
+the body performs recorded as usual.
+
+`pmap` nests the same way: an inner pmap *extends* its parent's mesh by one
+axis (its own), which is scoped to the inner call.
+"""
+from __future__ import annotations
+
+import math
+
+import optree
+import torch
+
+from . import context
+from .errors import SpecError, VmaError, fmt_vma
+from .mesh import Mesh
+from .tensor import ShTensor, expand_to, mesh_order
+
+
+def same_mesh(a: Mesh, b: Mesh) -> bool:
+    return (
+        a.axis_names == b.axis_names and a.axis_sizes == b.axis_sizes
+        and a.device_mesh is b.device_mesh and a.device == b.device
+    )
+
+
+def encloses(outer, inner) -> bool:
+    """Whether body `outer` is a (running) ancestor of body `inner`: its values are valid there,
+    typed the same (an inner body binds its parents' axes and lays them out alike)."""
+    p = inner.parent
+    while p is not None:
+        if p is outer:
+            return outer.active
+        p = p.parent
+    return False
+
+
+def parent_for(mesh: Mesh, args) -> context.Body | None:
+    """The running body a `shard_map` over `mesh` nests in, or None for an independent call.
+
+    A call nests when a body over the same mesh is running and either leaves
+    mesh axes free (`axis_names` a subset) or passes its own values in.
+    """
+    cur = context.current()
+    if cur is None or not cur.active or not same_mesh(cur.mesh, mesh):
+        return None
+    if len(cur.axes) < len(mesh.axis_names):
+        return cur
+    leaves = optree.tree_leaves(args, none_is_leaf=True)
+    if any(isinstance(v, ShTensor) and v._body is cur for v in leaves):
+        return cur
+    return None
+
+
+def inner_manual(api: str, mesh: Mesh, manual: tuple, parent: context.Body, default_axes: bool) -> tuple:
+    """The axes a nested call handles itself: its `axis_names`, which must be free in the parent."""
+    if default_axes:
+        manual = tuple(a for a in mesh.axis_names if a not in parent.axes)
+    shadow = [a for a in manual if a in parent.axes]
+    if shadow:
+        free = tuple(a for a in mesh.axis_names if a not in parent.axes)
+        raise SpecError(
+            f"{api}: nested inside a body that already handles mesh axes {parent.axes} manually, but "
+            f"its axis_names include {', '.join(repr(a) for a in shadow)} (mesh {mesh.describe()}). An inner "
+            f"call can only bind axes its parent leaves free: {free if free else 'none are free'}. Fix: "
+            + (f"pass axis_names={set(free)!r} (or leave axis_names out)" if free else
+               "give the outer shard_map axis_names= a subset of the mesh axes, so that some stay free")
+            + "."
+        )
+    if not manual:
+        raise SpecError(
+            f"{api}: nested inside a body over mesh {mesh.describe()} that handles every axis "
+            f"{parent.axes} already; there is no free axis left to bind. Fix: give the outer shard_map "
+            "axis_names= a subset of the mesh axes."
+        )
+    return manual
+
+
+def inner_body(mesh: Mesh, manual: tuple, parent: context.Body, check_vma: bool, backend, api: str):
+    if not (check_vma and parent.check_vma):
+        raise SpecError(
+            f"{api}: a nested shard_map needs check_vma=True on both levels (typed values tell the inner "
+            "body which outer axes each value varies along). Fix: drop check_vma=False."
+        )
+    if parent.backend.batched != backend.batched:
+        raise SpecError(
+            f"{api}: the inner mesh {mesh.describe()} is {'simulated' if backend.batched else 'distributed'} but "
+            f"the enclosing body's is not. Fix: build both meshes the same way."
+        )
+    axes = tuple(a for a in mesh.axis_names if a in parent.axes or a in manual)
+    return context.Body(mesh=mesh, axes=axes, check_vma=True, backend=backend, parent=parent, own=tuple(manual))
+
+
+def enter(value: ShTensor, spec, body) -> ShTensor:
+    """A parent body's value -> this body's: split the logical dims the spec names (a view)."""
+    if not body.backend.batched:
+        return _enter_distributed(value, spec, body)
+    phys, paxes = value._phys, value._paxes
+    k = len(paxes)
+    logical = phys.shape[k:]
+    shape = list(phys.shape[:k])
+    pos = {a: i for i, a in enumerate(paxes)}
+    for d, size in enumerate(logical):
+        axes = spec.dim_axes(d)
+        for a in axes:
+            pos[a] = len(shape)
+            shape.append(body.sizes[a])
+        shape.append(size // math.prod(body.sizes[a] for a in axes))
+    new = mesh_order(pos, body)
+    lead = [pos[a] for a in new]
+    rest = [i for i in range(len(shape)) if i not in lead]
+    phys = phys.reshape(shape).permute(lead + rest)
+    vma = value._vma | frozenset(spec.axes())
+    unreduced = value._unreduced
+    if spec.unreduced:
+        phys, new = body.backend.unreduced_input(phys, new, body.order(spec.unreduced), body)
+        vma = vma | spec.unreduced
+        unreduced = unreduced | spec.unreduced
+    return ShTensor(phys, new, vma, body, unreduced)
+
+
+def exit(path, value, spec, body, mesh, fname):
+    """This body's output -> the parent body's value, after the replication check over own axes."""
+    from .shard_map import _axes_lit, _check_spec, _suggest_spec
+
+    parent = body.parent
+    if isinstance(value, ShTensor) and value._body is parent:
+        value = ShTensor(value._phys, value._paxes, value._vma, body, value._unreduced)
+    if isinstance(value, ShTensor):
+        if value._body is not body:
+            raise VmaError(
+                f"shard_map({fname}) {path}: the output belongs to another shard_map body. "
+                "Fix: return values computed in this body."
+            )
+        x = value
+    elif isinstance(value, (torch.Tensor, int, float, complex, bool)):
+        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        x = ShTensor(t, (), frozenset(), body)
+    else:
+        raise TypeError(
+            f"shard_map({fname}) {path}: the body returned {type(value).__name__} here; outputs must be "
+            "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
+        )
+    own = frozenset(body.own)
+    _check_spec(spec, path, x.shape, mesh, body.own, fname, what="the output", split=False)
+    own_unred = x._unreduced & own
+    if own_unred != spec.unreduced:
+        raise VmaError(
+            f"shard_map({fname}) {path}: its spec {spec} says the output is unreduced along "
+            f"{fmt_vma(spec.unreduced, body.axes) if spec.unreduced else 'no axes'} but the value is unreduced "
+            f"along {fmt_vma(own_unred, body.axes) if own_unred else 'no axes'} of this call's axes "
+            f"{body.own}. Fix: make them match, e.g. reduce it with "
+            f"`shmap.psum(y, {_axes_lit(body.order(own_unred or spec.unreduced))})`."
+        )
+    varying = x._vma - x._unreduced
+    named = set(spec.axes())
+    extra = [a for a in body.own if a in varying and a not in named]
+    if extra:
+        raise VmaError(
+            f"shard_map({fname}) {path}: the output varies along {fmt_vma(varying, body.axes)} but its spec "
+            f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
+            f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
+            f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
+            f"`shmap.psum(y, {_axes_lit(extra)})` (or `shmap.all_gather`), or name the axis in the "
+            f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
+        )
+    if not body.backend.batched:
+        return _exit_distributed(x, spec, body, own, named)
+    phys, paxes, vma_ = x._phys, x._paxes, x._vma
+    if own_unred:
+        phys, paxes = body.backend.unreduced_output(phys, paxes, body.order(own_unred), body)
+        vma_ = vma_ - own_unred
+    tiled = body.order(frozenset(a for a in named if a not in vma_))
+    if tiled:  # JAX's implicit pvary of an invariant value tiled into a mapped output
+        phys, paxes = body.backend.pvary(phys, paxes, tiled, body, x.shape)
+    sizes = body.sizes
+    target = mesh_order(set(paxes) | named, body)
+    phys = expand_to(phys, paxes, target, sizes)
+    keep = tuple(a for a in target if a not in named)
+    k = len(target)
+    perm = [target.index(a) for a in keep]
+    out_shape = [sizes[a] for a in keep]
+    for d, size in enumerate(x.shape):
+        axes = spec.dim_axes(d)
+        perm.extend(target.index(a) for a in axes)
+        perm.append(k + d)
+        out_shape.append(size * math.prod(sizes[a] for a in axes))
+    out = phys.permute(perm).reshape(out_shape)
+    return ShTensor(out, keep, frozenset(keep), parent, x._unreduced - own)
+
+
+# --------------------------------------------------------------------------
+# Distributed mesh: a parent body's value is whole along the axes it leaves
+# free (each rank of those axes computes it redundantly), so entering takes
+# this rank's block (a view; the transpose gathers the cotangent's blocks) and
+# leaving gathers the blocks along the named axes (transpose: the own block).
+# That gather is boundary traffic, not a collective of the program: comm_log
+# does not list it, as for a plain input's gradient.
+# --------------------------------------------------------------------------
+def _enter_distributed(value, spec, body):
+    from .backends.distributed import TakeBlock, _grad, _take_block
+
+    if spec.unreduced:
+        raise SpecError(
+            f"shard_map: unreduced in_specs of a nested shard_map on a distributed mesh are not supported "
+            f"(spec {spec}). Fix: pass the value reduced, or use a simulated mesh."
+        )
+    backend = body.backend
+    phys = value._phys
+    if spec.axes():
+        phys = TakeBlock.apply(phys, backend, spec, body) if _grad(phys) else _take_block(
+            phys, backend._block_starts(spec, phys.shape))
+    return ShTensor(phys, (), value._vma | frozenset(spec.axes()), body, value._unreduced)
+
+
+def _exit_distributed(x, spec, body, own, named):
+    from .backends.distributed import AssembleBlocks, _assemble_blocks, _grad
+
+    if x._unreduced & own:
+        raise SpecError(
+            "shard_map: an unreduced output of a nested shard_map on a distributed mesh is not supported. "
+            "Fix: psum it in the inner body."
+        )
+    phys = x._phys
+    tiled = body.order(frozenset(a for a in named if a not in x._vma))
+    if tiled:
+        phys, _ = body.backend.pvary(phys, (), tiled, body, x.shape)
+    if named:
+        phys = AssembleBlocks.apply(phys, body.backend, spec, body) if _grad(phys) else _assemble_blocks(
+            phys, body.backend, spec, body)
+    return ShTensor(phys, (), x._vma - own, body.parent, x._unreduced - own)

@@ -1,0 +1,169 @@
+"""What each rank runs in test_dist_dtypes.py: every collective x dtype on both meshes, compared exactly.
+
+Every rank runs the same programs on a simulated mesh and on the distributed
+mesh over the world and returns the differences (an empty list when the
+meshes agree: same dtype, same bits, same comm_log).  Importable by spawned ranks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import shmap  # noqa: E402
+from shmap import P  # noqa: E402
+
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.bfloat16, torch.float16,
+          torch.complex64]
+
+
+def sample(dtype, shape, seed=0, exact=True):
+    """Integer-valued data (int8 sums wrap), or with exact=False random 16-bit floats whose sums round."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) < 0.5
+    if dtype.is_floating_point and not exact:
+        return (torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[-1])).to(dtype)
+    v = torch.randint(-100, 100, shape, generator=g)
+    if dtype.is_complex:
+        return torch.complex(v.float(), torch.randint(-100, 100, shape, generator=g).float()).to(dtype)
+    if dtype.is_floating_point:
+        return (v % 64 - 32).to(dtype)
+    return v.to(dtype)
+
+
+def _collectives(dtype, axes, pending):
+    """(body, out_specs) computing every collective over `axes` of a block of shape (2, 4).
+
+    `pending`: also return a pending sum (a Partial DTensor on the distributed mesh, which DTensor's
+    own `full_tensor()` reduces: gloo lacks int16, and sums 16-bit floats rounding at every step).
+    """
+    n_perm = [(0, 1), (1, 3), (3, 2)]
+
+    def body(x):
+        out = [
+            shmap.psum(x, axes),
+            shmap.pmean(x, axes),
+            shmap.psum_scatter(x, axes, scatter_dimension=1, tiled=True),
+            shmap.psum_scatter(x.T, axes, scatter_dimension=0),
+            shmap.all_gather(x, axes, tiled=True),
+            shmap.all_gather_invariant(x, axes, axis=1),
+            shmap.ppermute(x, axes, n_perm),
+            shmap.pshuffle(x, axes, [2, 0, 3, 1]),
+            shmap.all_to_all(x, axes, 1, 0, tiled=True),
+            shmap.all_to_all(x.T, axes, 0, 1),
+        ]
+        if pending:
+            out.append(shmap.pcast(x if dtype != torch.bool else x.to(torch.int32), axes, to="unreduced"))
+        if not dtype.is_complex:
+            out += [shmap.pmax(x, axes), shmap.pmin(x, axes)]
+        return tuple(out)
+
+    t = axes if isinstance(axes, tuple) else (axes,)
+    v = P(t)
+    outs = [P(), P(), P(None, t), P(t), v, P(), v, v, v, P(None, t)] + ([P(unreduced=set(t))] if pending else [])
+    if not dtype.is_complex:
+        outs += [P(), P()]
+    return body, tuple(outs)
+
+
+def _events(log):
+    return sorted((e.kind, tuple(e.axes), tuple(e.shape), e.dtype, e.bytes) for e in log.events)
+
+
+def _run(mesh, body, in_spec, out_specs, x):
+    f = shmap.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_specs)
+    with shmap.comm_log() as log:
+        outs = f(x)
+    if mesh.is_distributed:  # (DTensor's own gather cannot move int16 over gloo; int32 holds it exactly)
+        outs = tuple(o.to(torch.int32).full_tensor().to(o.dtype) if o.dtype == torch.int16 else o.full_tensor()
+                     for o in outs)
+    return outs, _events(log)
+
+
+def _compare(name, sim, dist):
+    bad = []
+    (so, se), (do, de) = sim, dist
+    for k, (a, b) in enumerate(zip(so, do)):
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            bad.append(f"{name}: output {k}: simulated {a.dtype}{tuple(a.shape)} {a.flatten()[:6].tolist()} vs "
+                       f"distributed {b.dtype}{tuple(b.shape)} {b.flatten()[:6].tolist()}")
+    if se != de:
+        bad.append(f"{name}: comm_log differs:\n  simulated   {se}\n  distributed {de}")
+    return bad
+
+
+def every_collective_every_dtype(transport="gloo"):
+    """On a 4-rank world: over 'i' of a (4,) mesh and (on gloo) over ('j', 'i') of a (2, 2) mesh."""
+    prev = shmap.configure_distributed(transport=transport) if transport != "gloo" else None
+    bad = []
+    try:
+        meshes = [((4,), ("i",), "i", P("i")), ((2, 2), ("i", "j"), ("j", "i"), P(("i", "j")))]
+        for shape, names, axes, spec in meshes if transport == "gloo" else meshes[:1]:
+            sim_mesh = shmap.make_mesh(shape, names, distributed=False)
+            dist_mesh = shmap.make_mesh(shape, names)
+            # (the tuple: one dtype per wire path -- native, counted, byte view / upcast, float32 sums)
+            for dtype in DTYPES if len(shape) == 1 else (torch.int8, torch.bool, torch.int16, torch.bfloat16):
+                for exact in (True, False) if dtype in (torch.bfloat16, torch.float16) else (True,):
+                    body, outs = _collectives(dtype, axes, pending=exact and dtype != torch.int16)
+                    x = sample(dtype, (8, 4), seed=len(bad), exact=exact)
+                    name = f"{dtype} over {axes} ({transport}{'' if exact else ', rounding sums'})"
+                    try:
+                        bad += _compare(name, _run(sim_mesh, body, spec, outs, x),
+                                        _run(dist_mesh, body, spec, outs, x))
+                    except Exception as e:  # noqa: BLE001 - deterministic: every rank skips together
+                        import traceback
+                        bad.append(f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+    finally:
+        if prev is not None:
+            shmap.configure_distributed(**prev)
+    return bad
+
+
+def errors_and_unreduced():
+    """Errors that must read the same on both meshes, and an implicitly unreduced output."""
+    bad = []
+    mesh = shmap.make_mesh((4,), ("i",))
+    sim = shmap.make_mesh((4,), ("i",), distributed=False)
+
+    def message(m, body, x, in_spec=P("i"), out_spec=P("i")):
+        try:
+            shmap.shard_map(body, mesh=m, in_specs=in_spec, out_specs=out_spec)(x)
+        except shmap.ShmapError as e:
+            return type(e).__name__, str(e)
+        return None
+
+    def bump(x):
+        x.add_(1)
+        return x
+
+    for name, body, x in [
+        ("complex pmax", lambda x: shmap.pmax(x, "i"), torch.zeros(8, dtype=torch.complex64)),
+        ("in-place on an input", bump, torch.zeros(8)),
+        ("in-place on a requires_grad input", bump, torch.zeros(8, requires_grad=True)),
+    ]:
+        a, b = message(sim, body, x), message(mesh, body, x)
+        if a is None or a != b:
+            bad.append(f"{name}: simulated raised {a}, distributed {b}")
+    # Python control flow on a varying value: worded for the mesh it runs on
+    got = message(mesh, lambda x: x if x.sum() > 0 else -x, torch.randn(8))
+    if got is None or got[0] != "VaryingControlFlowError" or "simulated mesh refuses" in got[1] or "Each process" not in got[1]:
+        bad.append(f"varying control flow on the distributed mesh: {got}")
+    # out_specs unreduced along an axis the value varies on: a pending sum, as JAX (a Partial DTensor)
+    x = torch.arange(8.0)
+    f = shmap.shard_map(lambda b: b * 2, mesh=mesh, in_specs=P("i"), out_specs=P(unreduced={"i"}))
+    out = f(x)
+    from torch.distributed.tensor import Partial
+
+    if tuple(out.placements) != (Partial(),):
+        bad.append(f"implicit unreduced output: placements {out.placements}")
+    want = shmap.shard_map(lambda b: b * 2, mesh=sim, in_specs=P("i"), out_specs=P(unreduced={"i"}))(x)
+    if not torch.equal(out.full_tensor(), want) or want.tolist() != [24.0, 32.0]:
+        bad.append(f"implicit unreduced output: {out.full_tensor()} vs simulated {want}")
+    return bad

@@ -1,0 +1,173 @@
+"""torch.compile of shard_mapped functions and training steps (shmap/compile.py, shmap/ops.py).
+
+Compiled (`fullgraph=True` where Dynamo can: everything but a `.backward()`
+call) must equal eager: values, gradients, and the `comm_log` events of every
+call, forward and backward.  Programs are tiny: compilation dominates, so
+Inductor compiles two of them and the rest stop after AOT autograd
+(`aot_eager`, which already traces through the body and the record ops).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+import shmap
+from shmap import P
+
+MESH = shmap.make_mesh((4, 2), ("i", "j"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _run(f, args, cot):
+    """(outputs, grads, comm events) of one forward + backward."""
+    args = [a.detach().requires_grad_() for a in args]
+    with shmap.comm_log() as log:
+        out = f(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, cot(outs))
+    return [o.detach() for o in outs], [a.grad for a in args], log.events
+
+
+def _assert_compiled_equals_eager(f, args, calls=2, backend="inductor"):
+    cot = lambda outs: [torch.ones_like(o) for o in outs]  # noqa: E731
+    want = _run(f, args, cot)
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    for _ in range(calls):  # the second call runs the cached graph: same events again
+        got = _run(cf, args, cot)
+        for a, b in zip(got[0] + got[1], want[0] + want[1]):
+            torch.testing.assert_close(a, b)
+        assert got[2] == want[2]
+    return want[2]
+
+
+def _collectives(x, y):
+    a = shmap.all_gather_invariant(x, "i", tiled=True)                       # [8, 4]
+    b = shmap.psum_scatter(a * y.sum(), "j", scatter_dimension=0, tiled=True)  # [4, 4]
+    c = shmap.ppermute(b, "i", [(k, (k + 1) % 4) for k in range(4)]) * shmap.axis_index("i")
+    d = shmap.all_to_all(c, "i", 1, 0, tiled=True)                          # [16, 1]
+    return shmap.pmean(torch.sin(d).sum(), ("i", "j")), shmap.pmax(x, "j")
+
+
+def test_compiled_collectives_equal_eager():
+    f = shmap.shard_map(_collectives, mesh=MESH, in_specs=(P("i", "j"), P("i")),
+                        out_specs=(P(), P("i")))
+    g = torch.Generator().manual_seed(0)  # float64: Inductor's reduction order differs from eager's
+    args = [torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)]
+    events = _assert_compiled_equals_eager(f, args)
+    kinds = {e.kind for e in events}
+    assert {"all_gather_invariant", "psum_scatter", "all_gather", "ppermute", "all_to_all", "psum",
+            "pmax"} <= kinds
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * g
+
+
+def test_compiled_custom_function_and_checkpoint_equal_eager():
+    def body(w, x):
+        h = cp.checkpoint(lambda u: shmap.psum(torch.tanh(u @ w), "j"), x, use_reentrant=False)
+        return shmap.psum(Cube.apply(h).sum(), ("i", "j"))
+
+    f = shmap.shard_map(body, mesh=MESH, in_specs=(P("j"), P("i", "j")), out_specs=P())
+    _assert_compiled_equals_eager(f, [torch.randn(4, 3), torch.randn(8, 4)], backend="aot_eager")
+
+
+def _mlp_loss():
+    mesh = shmap.make_mesh((8,), ("batch",))
+
+    @shmap.shard_map(mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=P())
+    def loss(ps, x, t):
+        h = torch.tanh(x @ ps[0] + ps[1])
+        return shmap.pmean(((h @ ps[2] - t) ** 2).mean(), "batch")
+
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(4, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, 2, generator=g)]
+    return loss, ps, torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+
+
+def test_compiled_training_step_with_optimizer_equals_eager():
+    """forward, backward, optimizer update (Dynamo splits the graph at .backward())."""
+    loss, ps0, x, t = _mlp_loss()
+    results = []
+    for compiled in (False, True):
+        ps = [p.clone().requires_grad_() for p in ps0]
+        opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+        def step():
+            opt.zero_grad()
+            value = loss(ps, x, t)
+            value.backward()
+            opt.step()
+            return value.detach()
+
+        step_fn = torch.compile(step) if compiled else step
+        with shmap.comm_log() as log:
+            values = [step_fn() for _ in range(3)]
+        results.append((values, [p.detach() for p in ps], log.events))
+    (v0, p0, e0), (v1, p1, e1) = results
+    for a, b in zip(v0 + p0, v1 + p1):
+        torch.testing.assert_close(a, b)
+    assert e0 == e1 and len(e0) == 3 * 4  # per step: the loss psum, one psum per parameter
+
+
+def test_compiled_functional_training_step_is_one_graph():
+    loss, ps, x, t = _mlp_loss()
+
+    def step(ps, x, t):
+        grads, value = torch.func.grad_and_value(loss)(ps, x, t)
+        return value, [p - 0.1 * g for p, g in zip(ps, grads)]
+
+    with shmap.comm_log() as want_log:
+        want = step(ps, x, t)
+    cstep = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with shmap.comm_log() as got_log:
+        got = cstep(ps, x, t)
+    torch.testing.assert_close(got, want)
+    assert got_log.events == want_log.events
+
+
+def test_distinct_shard_maps_get_distinct_graphs():
+    """Two shard_maps share the code of their wrappers; a graph compiled for one must not
+    be reused for the other."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    f = shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    g = shmap.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    x = torch.randn(8)
+    assert torch.compile(f, fullgraph=True, backend="eager")(x).shape == (2,)
+    assert torch.compile(g, fullgraph=True, backend="eager")(x).shape == (8,)
+
+
+def test_closed_over_tensor_under_compile_is_a_clear_error():
+    mesh = shmap.make_mesh((4,), ("i",))
+    w = torch.randn(3)
+    f = shmap.shard_map(lambda v: shmap.psum(v @ w, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    with pytest.raises(Exception, match="closes over.*pass the tensor as an argument"):
+        torch.compile(f, fullgraph=True)(torch.randn(8, 3))
+
+
+def test_compiled_with_dynamic_shapes():
+    """A recompile for a new batch size makes Dynamo's sizes symbolic; shmap's caches skip them."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    loss = shmap.shard_map(lambda w, x: shmap.pmean(torch.tanh(x @ w).sum(), "i"), mesh=mesh,
+                           in_specs=(P(), P("i")), out_specs=P())
+    step = torch.compile(lambda w, x: torch.func.grad_and_value(loss)(w, x), fullgraph=True,
+                         backend="aot_eager")
+    for n in (8, 16, 24):
+        w, x = torch.randn(3, 2), torch.randn(n, 3)
+        with shmap.comm_log() as log:
+            got = step(w, x)
+        torch.testing.assert_close(got, torch.func.grad_and_value(loss)(w, x))
+        assert log.summary() == {"psum": 2}

@@ -1,0 +1,319 @@
+"""Body values in PyTorch's extension points (shmap/interop.py, context re-entry).
+
+Custom `torch.autograd.Function`s, `torch.utils.checkpoint` (reentrant and
+not) and `torch.func` transforms inside bodies, and `torch.func` transforms of
+shard_mapped functions from outside: values, first and second order
+gradients and `comm_log`, against plain PyTorch on one device and, for
+`custom_vjp` / `remat` programs, against JAX.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+from jax.sharding import PartitionSpec as JP
+
+import shmap
+from differential import assert_matches_jax
+from jax_helpers import jax_mesh
+from shmap import P
+
+MESH = shmap.make_mesh((4,), ("i",))
+
+
+class Foo(torch.autograd.Function):
+    """The issue's example: forward 2x, backward 3g (deliberately not the derivative)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * g
+
+
+class Cube(torch.autograd.Function):
+    """x**3 with a saved input and a differentiable backward (second order works)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * g
+
+
+class ScaleSetup(torch.autograd.Function):
+    """setup_context style, a non-tensor argument and a non-differentiable output."""
+
+    @staticmethod
+    def forward(x, k):
+        return x * k, (x > 0).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, g, _):
+        return g * ctx.k, None
+
+
+class MulPsumBack(torch.autograd.Function):
+    """w (invariant) * x (varying); backward reduces w's cotangent itself (a custom_vjp)."""
+
+    @staticmethod
+    def forward(ctx, w, x):
+        ctx.save_for_backward(w, x)
+        return torch.sin(w * x)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, x = ctx.saved_tensors
+        c = torch.cos(w * x) * g
+        return shmap.psum((c * x).sum(0), "i"), c * w
+
+
+class MulNoPsum(MulPsumBack):
+    @staticmethod
+    def backward(ctx, g):
+        w, x = ctx.saved_tensors
+        c = torch.cos(w * x) * g
+        return (c * x).sum(0), c * w
+
+
+def sm(f, in_specs, out_specs, mesh=MESH):
+    return shmap.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+# ----------------------------------------------------------------------------
+# torch.autograd.Function
+# ----------------------------------------------------------------------------
+def test_autograd_function_gradient_is_not_dropped():
+    x = torch.ones(4, requires_grad=True)
+    sm(lambda v: Foo.apply(v) + v, P("i"), P("i"))(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 4.0))  # plain PyTorch: 3 + 1
+
+
+def test_autograd_function_second_order_matches_plain_torch():
+    x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(8, 3, dtype=torch.float64)
+
+    def run(f):
+        (g,) = torch.autograd.grad((f(x) * y).sum(), x, create_graph=True)
+        (g2,) = torch.autograd.grad((g ** 2).sum(), x)
+        return f(x), g, g2
+
+    got = run(sm(lambda v: Cube.apply(v) * torch.sin(v), P("i"), P("i")))
+    want = run(lambda v: Cube.apply(v) * torch.sin(v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_autograd_function_setup_context_and_non_tensor_arguments():
+    x = torch.randn(8, requires_grad=True)
+    out, mask = sm(lambda v: ScaleSetup.apply(v, 3.0), P("i"), (P("i"), P("i")))(x)
+    torch.testing.assert_close(mask, (x > 0).to(x.dtype))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((8,), 3.0, dtype=x.dtype))
+    assert not mask.requires_grad
+
+
+def test_autograd_function_backward_collective_and_types():
+    """backward runs in its body (collectives work) and is typed: w's cotangent is invariant."""
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(8, 3, requires_grad=True)
+    f = sm(lambda w, x: shmap.psum(MulPsumBack.apply(w, x).sum(), "i"), (P(), P("i")), P())
+    with shmap.comm_log() as log:
+        f(w, x).backward()
+    assert log.summary() == {"psum": 2}  # the forward psum, the one in MulPsumBack.backward
+    w2 = w.detach().requires_grad_()
+    x2 = x.detach().requires_grad_()
+    torch.sin(w2 * x2).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_autograd_function_backward_with_wrongly_typed_cotangent_is_an_error():
+    w = torch.randn(3, requires_grad=True)
+    f = sm(lambda w, x: shmap.psum(MulNoPsum.apply(w, x).sum(), "i"), (P(), P("i")), P())
+    out = f(w, torch.randn(8, 3))
+    with pytest.raises(shmap.VmaError, match=r"argument 0 varies along.*psum\(grad, \('i',\)\)"):
+        out.backward()
+
+
+def test_custom_vjp_matches_jax():
+    """The same custom-gradient program as a jax.custom_vjp: values, grads to second order,
+    and the backward collectives."""
+    @jax.custom_vjp
+    def jf(w, x):
+        return jnp.sin(w * x)
+
+    def jf_fwd(w, x):
+        return jf(w, x), (w, x)
+
+    def jf_bwd(res, g):
+        w, x = res
+        c = jnp.cos(w * x) * g
+        return jax.lax.psum((c * x).sum(0), "i"), c * w
+
+    jf.defvjp(jf_fwd, jf_bwd)
+    jmesh = jax_mesh((4,), ("i",))
+    f_jax = jax.shard_map(lambda w, x: jax.lax.psum(jf(w, x).sum(), "i"), mesh=jmesh,
+                          in_specs=(JP(), JP("i")), out_specs=JP())
+    f_shmap = sm(lambda w, x: shmap.psum(MulPsumBack.apply(w, x).sum(), "i"), (P(), P("i")), P())
+    rng = np.random.default_rng(0)
+    got = assert_matches_jax(f_jax, f_shmap, [rng.standard_normal(3), rng.standard_normal((8, 3))],
+                             context="custom_vjp", second_order=False)
+    assert got == Counter({"psum": 1})
+
+
+# ----------------------------------------------------------------------------
+# torch.utils.checkpoint
+# ----------------------------------------------------------------------------
+def _remat_region(u):
+    return shmap.psum(torch.sin(u), "i") * u
+
+
+def _jax_remat():
+    return jax.shard_map(
+        lambda x: jax.checkpoint(lambda u: jax.lax.psum(jnp.sin(u), "i") * u)(x),
+        mesh=jax_mesh((4,), ("i",)), in_specs=JP("i"), out_specs=JP("i"))
+
+
+def test_checkpoint_recomputes_collectives_and_matches_jax_remat():
+    f_shmap = sm(lambda x: cp.checkpoint(_remat_region, x, use_reentrant=False), P("i"), P("i"))
+    x = np.random.default_rng(1).standard_normal((8, 3))
+    # backward: the recomputed psum and the psum transposing the lift of its result
+    got = assert_matches_jax(_jax_remat(), f_shmap, [x], context="remat")
+    assert got == Counter({"psum": 2})
+
+
+def test_reentrant_checkpoint_matches_jax_remat():
+    """use_reentrant=True is an autograd.Function (torch allows only .backward() through it)."""
+    x = np.random.default_rng(1).standard_normal((8, 3))
+    cot = np.random.default_rng(2).standard_normal((8, 3))
+    want_y, vjp = jax.vjp(_jax_remat(), x)
+    (want_g,) = vjp(cot)
+    xt = torch.tensor(x, requires_grad=True)
+    f = sm(lambda x: cp.checkpoint(_remat_region, x, use_reentrant=True), P("i"), P("i"))
+    y = f(xt)
+    with shmap.comm_log() as log:
+        y.backward(torch.tensor(cot))
+    np.testing.assert_allclose(y.detach().numpy(), np.asarray(want_y), rtol=1e-10)
+    np.testing.assert_allclose(xt.grad.numpy(), np.asarray(want_g), rtol=1e-10)
+    assert log.summary() == {"psum": 2}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_matches_plain_torch_with_invariant_parameter(reentrant):
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+
+    def block(w, x):
+        return torch.tanh(x @ w) @ w
+
+    f = sm(lambda w, x: shmap.psum(cp.checkpoint(block, w, x, use_reentrant=reentrant).sum(), "i"),
+           (P(), P("i")), P())
+    with shmap.comm_log() as log:
+        f(w, x).backward()
+    gw, gx = w.grad, x.grad
+    w.grad = x.grad = None
+    block(w, x).sum().backward()
+    torch.testing.assert_close(gw, w.grad)
+    torch.testing.assert_close(gx, x.grad)
+    assert log.summary() == {"psum": 2}  # the forward psum, then w's gradient once
+
+
+# ----------------------------------------------------------------------------
+# torch.func inside a body
+# ----------------------------------------------------------------------------
+def _per_device(f, *blocks):
+    return torch.cat([f(*b) for b in zip(*[x.chunk(4) for x in blocks])])
+
+
+@pytest.mark.parametrize("name", ["grad", "vjp", "vmap", "jacrev", "jacfwd", "jvp", "hessian"])
+def test_torch_func_inside_a_body_is_per_device(name):
+    transforms = {
+        "grad": lambda v: torch.func.grad(lambda y: (torch.sin(y) * y).sum())(v),
+        "vjp": lambda v: torch.func.vjp(torch.sin, v)[1](torch.cos(v))[0],
+        "vmap": lambda v: torch.vmap(lambda r: r * r.sum())(v),
+        "jacrev": lambda v: torch.func.jacrev(lambda r: torch.sin(r) * r.sum())(v[0]).unsqueeze(0),
+        "jacfwd": lambda v: torch.func.jacfwd(lambda r: torch.sin(r) * r.sum())(v[0]).unsqueeze(0),
+        "jvp": lambda v: torch.func.jvp(torch.sin, (v,), (v * 2,))[1],
+        "hessian": lambda v: torch.func.hessian(lambda r: (r ** 3).sum())(v[0]).unsqueeze(0),
+    }
+    fn = transforms[name]
+    x = torch.randn(8, 3, dtype=torch.float64)
+    got = sm(fn, P("i"), P("i"))(x)
+    torch.testing.assert_close(got, _per_device(fn, x))
+
+
+def test_torch_func_grad_of_invariant_input_is_psummed_as_in_jax():
+    w = torch.randn(3, dtype=torch.float64)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    f = sm(lambda w, x: torch.func.grad(lambda w: (x @ w).sum())(w), (P(), P("i")), P())
+    with shmap.comm_log() as log:
+        g = f(w, x)
+    torch.testing.assert_close(g, x.sum(0))  # JAX: the transpose of the implicit pvary is a psum
+    assert log.summary() == {"psum": 1}
+
+
+def test_torch_func_vmap_with_collective_inside_body():
+    x = torch.randn(8, 5, dtype=torch.float64)
+    got = sm(lambda v: torch.vmap(lambda c: shmap.psum(c, "i"), in_dims=1, out_dims=1)(v),
+             P("i"), P())(x)
+    torch.testing.assert_close(got, sum(x.chunk(4)))
+
+
+# ----------------------------------------------------------------------------
+# torch.func of a shard_mapped function, from outside
+# ----------------------------------------------------------------------------
+@shmap.shard_map(mesh=MESH, in_specs=(P(), P("i")), out_specs=P())
+def _dp_loss(w, x):
+    return shmap.pmean((torch.tanh(x @ w) ** 2).sum(), "i")
+
+
+def _dp_ref(w, x):
+    return sum((torch.tanh(b @ w) ** 2).sum() for b in x.chunk(4)) / 4
+
+
+@pytest.mark.parametrize("name", ["grad", "jacrev", "jacfwd", "hessian", "vmap"])
+def test_torch_func_of_a_shard_mapped_function(name):
+    w = torch.randn(3, 2, dtype=torch.float64)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    if name == "vmap":
+        ws = torch.randn(5, 3, 2, dtype=torch.float64)
+        got = torch.vmap(_dp_loss, in_dims=(0, None))(ws, x)
+        want = torch.vmap(_dp_ref, in_dims=(0, None))(ws, x)
+    else:
+        t = getattr(torch.func, name)
+        got, want = t(_dp_loss)(w, x), t(_dp_ref)(w, x)
+    torch.testing.assert_close(got, want)
+
+
+def test_torch_func_grad_of_a_shard_mapped_function_communicates_like_backward():
+    w = torch.randn(3, 2)
+    with shmap.comm_log() as log:
+        torch.func.grad(_dp_loss)(w, torch.randn(8, 3))
+    assert log.summary() == {"psum": 2}  # pmean's psum; w's gradient (transpose of its pvary)
+
+
+def test_autograd_function_under_torch_func_inside_and_outside_a_body():
+    x = torch.randn(8, dtype=torch.float64)
+    inside = sm(lambda v: torch.func.grad(lambda y: Cube.apply(y).sum())(v), P("i"), P("i"))
+    torch.testing.assert_close(inside(x), 3 * x ** 2)
+    f = sm(lambda v: shmap.psum(Cube.apply(v).sum(), "i"), P("i"), P())
+    torch.testing.assert_close(torch.func.grad(f)(x), 3 * x ** 2)
+    xs = torch.stack([x, 2 * x])
+    torch.testing.assert_close(torch.vmap(f)(xs), (xs ** 3).sum(1))
