@@ -39,6 +39,22 @@ class InPlaceInputError(ShmapError, RuntimeError):
     """An in-place op would update a body value that aliases the caller's data (an argument)."""
 
 
+class DistributedError(ShmapError, RuntimeError):
+    """A distributed mesh could not complete a collective (base class)."""
+
+
+class RankFailedError(DistributedError):
+    """Another rank raised (or exited) while this one waited for it."""
+
+
+class CollectiveMismatchError(DistributedError):
+    """Ranks called different collectives at the same point of the program."""
+
+
+class CollectiveTimeoutError(DistributedError):
+    """A collective did not complete within the timeout."""
+
+
 def fmt_axes(axes) -> str:
     axes = tuple(axes)
     if len(axes) == 1:

@@ -8,8 +8,9 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "shmap"
 
-#: The issue asks for ~500 lines per module; until the large ones are split, no module may grow past this.
-MAX_LINES = 1000
+#: The issue asks for ~500 lines per module; the backends are split, and the largest module left
+#: (shmap/tensor.py, 741 lines) sets this limit until it is split too.
+MAX_LINES = 800
 
 
 def _modules() -> list[pathlib.Path]:

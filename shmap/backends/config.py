@@ -1,0 +1,87 @@
+"""Configuration of the distributed guard: `configure_distributed` and the options it sets.
+
+The options start from the environment (`SHMAP_CHECK_COLLECTIVES`,
+`SHMAP_COLLECTIVE_TIMEOUT`, `SHMAP_TRANSPORT`); the guard (`guard`, `waits`)
+and the transports read them at each collective.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _env_float(name: str):
+    v = os.environ.get(name)
+    return float(v) if v else None
+
+
+def _env_check() -> bool | str:
+    v = os.environ.get("SHMAP_CHECK_COLLECTIVES", "")
+    if v.strip().lower() == "strict":
+        return "strict"
+    return _env_flag("SHMAP_CHECK_COLLECTIVES", True)
+
+
+_OPTIONS = {
+    "check_collectives": _env_check(),
+    "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
+    "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
+    "poll": 0.25,
+    "exit_grace": 2.0,
+}
+
+
+def configure_distributed(*, check_collectives: bool | None = None, timeout: float | None = None,
+                          transport: str | None = None) -> dict:
+    """Set how distributed collectives are guarded; returns the previous settings.
+
+    - `check_collectives`: how ranks running different programs are caught
+      (env `SHMAP_CHECK_COLLECTIVES`: `1`, `0` or `strict`):
+      `True` (the default): each collective carries a signature of itself
+      (call counter, shard_map count, kind, axes, shape, dtype, parameters)
+      inside its own payload, a few extra bytes checked when it completes,
+      and a wait that stalls compares the ranks' signatures through the
+      store; a difference raises `CollectiveMismatchError` on every rank.
+      Costs almost nothing; data may have moved when it is detected, so the
+      process ends (non-zero) afterwards.
+      `'strict'`: a separate signature exchange *before* each collective and
+      at the end of each body (one small all-gather each): no data moves on a
+      mismatch and the process groups stay usable.
+      `False`: no signatures (a rank that finished early is still named; a
+      stalled wait still reports who is missing).
+    - `timeout`: seconds a collective may wait before `CollectiveTimeoutError`
+      (default: the timeout given to `init_process_group`; env
+      `SHMAP_COLLECTIVE_TIMEOUT`).
+    - `transport`: `'torch'` (torch.distributed: gloo / NCCL; the default) or
+      `'shm'`: CPU tensors move through `shmap.kernels.ShmTransport`, shared
+      memory between the processes of one host (env `SHMAP_TRANSPORT`).
+      pmax/pmin keep using torch.distributed.
+    Must be set identically on every rank.
+    """
+    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport")}
+    if transport is not None:
+        if transport not in ("torch", "shm"):
+            raise ValueError(f"configure_distributed: transport must be 'torch' or 'shm', got {transport!r}.")
+        _OPTIONS["transport"] = transport
+    if check_collectives is not None:
+        if check_collectives != "strict" and not isinstance(check_collectives, (bool, int)):
+            raise ValueError("configure_distributed: check_collectives must be True, False or 'strict', "
+                             f"got {check_collectives!r}.")
+        _OPTIONS["check_collectives"] = check_collectives if check_collectives == "strict" else bool(
+            check_collectives)
+    if timeout is not None:
+        if timeout <= 0:
+            raise ValueError(f"configure_distributed: timeout must be > 0 seconds, got {timeout}.")
+        _OPTIONS["timeout"] = float(timeout)
+    return prev
+
+
+#: the wait slice, as the timedelta work.wait() takes (rebuilt by configure_distributed)
+_POLL = [timedelta(seconds=_OPTIONS["poll"])]

@@ -1,0 +1,72 @@
+"""Process groups over axis tuples of a distributed mesh: `Group`, and `mesh_order_of`."""
+from __future__ import annotations
+
+
+_DIST = None
+
+
+def _dist():
+    """torch.distributed, imported on first use (a simulated mesh never needs it)."""
+    global _DIST
+    if _DIST is None:
+        import torch.distributed
+
+        _DIST = torch.distributed
+    return _DIST
+
+
+# --------------------------------------------------------------------------
+# Process groups over axis tuples
+# --------------------------------------------------------------------------
+class Group:
+    """The devices that differ from this one only along `axes` (in the given order).
+
+    `index` is this device's position along `axes` (major-to-minor in the
+    tuple's order); `ranks[t]` the global rank at position `t`; `g2t` maps the
+    process group's own rank order (mesh order) to positions, or is None when
+    the two agree.
+    """
+
+    __slots__ = ("axes", "n", "index", "ranks", "g2t", "t2g", "_backend", "_pg", "gloo", "_shm")
+
+    def __init__(self, axes, n, index, ranks, g2t, backend):
+        self.axes, self.n, self.index, self.ranks, self._backend = axes, n, index, ranks, backend
+        self.g2t = g2t
+        self.t2g = None if g2t is None else [g2t.index(t) for t in range(n)]
+        self._pg = None
+        self.gloo = True
+        self._shm = None
+
+    def pg(self):
+        """The process group, created on first use.
+
+        Creating one is collective over the world, so it happens only after
+        the signature check has confirmed every rank is at this collective.
+        """
+        if self._pg is None:
+            self._pg = self._backend._pg(mesh_order_of(self.axes, self._backend.mesh))
+            self.gloo = "gloo" in str(_dist().get_backend(self._pg)).lower()
+        return self._pg
+
+    def shm(self, x):
+        """This group's shared-memory transport when configured and `x` is on the CPU, else None.
+
+        Its ranks are the process group's, so the same position permutations apply.
+        """
+        from .config import _OPTIONS
+
+        if _OPTIONS["transport"] != "shm" or x.device.type != "cpu":
+            return None
+        if self._shm is None:
+            from ..kernels.transport import ShmTransport
+
+            self._shm = ShmTransport.from_process_group(self.pg())
+        return self._shm
+
+    def torch_ranks(self, positions):
+        """Process-group ranks of tuple positions."""
+        return list(positions) if self.t2g is None else [self.t2g[p] for p in positions]
+
+
+def mesh_order_of(axes, mesh) -> tuple:
+    return tuple(a for a in mesh.axis_names if a in axes)

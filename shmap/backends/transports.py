@@ -1,0 +1,348 @@
+"""Raw collectives on one rank's block of a distributed mesh (no autograd, no comm_log).
+
+Each runs under the guard (`_run`: signature check, launch, watched wait) on
+torch.distributed (gloo / NCCL) or, when configured, the shared-memory
+transport (`_run_shm`); every result equals the simulated mesh's bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from .groups import Group, _dist
+from .signatures import SEAL_BITS, Seal, reduce_trailer, sealable
+
+
+# --------------------------------------------------------------------------
+# Raw collectives on one rank's block (no autograd, no comm_log)
+# --------------------------------------------------------------------------
+def _run(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=False):
+    """Check the signature, launch, and watch the wait of one collective.
+
+    Default mode: the signature travels in the payload (`seal`, from the
+    `_sealed_*` helpers below) and is checked when the data arrives.  Strict
+    mode (or a group not on gloo, e.g. NCCL, where reading the trailer back
+    would synchronise the GPU): a separate exchange completes before any data
+    moves.
+    """
+    w = g._backend.watch
+    grad = torch.is_grad_enabled()
+    if grad:  # raw data movement; autograd is the Functions' business
+        torch.set_grad_enabled(False)
+    try:
+        # A collective whose payload carries no signature (NCCL, a dtype that cannot) exchanges one first
+        # whenever checks are on; the exchange completes before any data moves (and before a new
+        # process group is created: that is collective over the world).
+        pending = w.begin(kind, g.axes, shape, dtype, extra, exchange=seal is None)
+        if pending is not None and not (w.overlapping() and g._pg is not None):
+            w.verify(pending)  # strict: before the data moves
+            pending = None
+        if seal is not None:
+            w.seal(seal)
+        works = launch(g.pg())
+        for work in works if isinstance(works, list) else [works]:
+            w.wait(work, None, g.ranks, gloo=g.gloo, blocking=blocking)
+        if seal is not None:
+            w.unseal(seal, g.ranks)
+        w.verify(pending, moved=True)  # default mode, no payload signature: the exchange ran alongside
+    finally:
+        if grad:
+            torch.set_grad_enabled(True)
+    w.done()
+
+
+# --------------------------------------------------------------------------
+# Signatures in the payload (the default check; see signatures.Seal)
+# --------------------------------------------------------------------------
+def _sealing(g: Group) -> bool:
+    """Whether this group's collectives carry their signature in their payload (default mode, gloo)."""
+    return g._backend.watch.sealing() and g.pg() is not None and g.gloo
+
+
+def _sealed_reduce(src, dtype, g: Group, kind):
+    """(buffer, data view, seal) for a reduction of `src` in `dtype`: the buffer is the data (a fresh
+    copy of `src`) followed by the signature trailer, built by one `cat`; reduce the buffer, read the
+    view."""
+    if not (_sealing(g) and sealable(dtype, g.n)):
+        out = src.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        return out, out, None
+    h = g._backend.watch.next_signature16(kind, g.axes, src.shape, src.dtype)
+    lo, hi, expect = reduce_trailer(h, dtype)
+    if not src.is_cpu:
+        lo, hi = lo.to(src.device), hi.to(src.device)
+    m = src.numel()
+    flat = src if src.dim() == 1 else src.reshape(-1)
+    buf = torch.cat([flat if src.dtype == dtype else flat.to(dtype), lo, hi])
+    # as_strided: the cheapest way to the two views (this runs on every collective)
+    out = buf.as_strided(src.shape, _contiguous_strides(src.shape))
+    return buf, out, Seal("reduce", None, buf.as_strided((2 * SEAL_BITS,), (1,), m), expect)
+
+
+_STRIDES: dict = {}
+
+
+def _contiguous_strides(shape) -> tuple:
+    st = _STRIDES.get(shape)
+    if st is None:
+        acc, st = 1, []
+        for d in reversed(shape):
+            st.append(acc)
+            acc *= max(d, 1)
+        st = tuple(reversed(st))
+        if len(_STRIDES) < 1024:
+            _STRIDES[shape] = st
+    return st
+
+
+def _sealed_reduce_rows(inp, n, g: Group):
+    """As `_sealed_reduce` for a reduce-scatter of the flat `inp` ([n] rows): (input, output, output's
+    data view, seal), each row carrying the trailer."""
+    m = inp.numel() // n
+    big = inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
+    if big or not (_sealing(g) and sealable(inp.dtype, g.n)):
+        inp = inp.contiguous()
+        out = inp.new_empty(m)
+        return inp, out, out, None
+    k = 2 * SEAL_BITS
+    rows = inp.new_empty((n, m + k))
+    rows[:, :m].copy_(inp.view(n, m))
+    out = inp.new_empty(m + k)
+    return rows.view(-1), out, out[:m], Seal("reduce", rows[:, m:], out[m:])
+
+
+#: above this many bytes moved per rank, a collective that moves data (rather than reducing it) checks
+#: its signature with a separate exchange running alongside it instead of copying its blocks in and out
+#: of a sealed layout
+_SEAL_BYTES_LIMIT = 256 << 10
+
+
+def _sealed_bytes(rows, g: Group, kind, shape, dtype, extra):
+    """Rows moved as they are (all_gather, all_to_all, ppermute): (`rows` ([r, ...]) as bytes with the
+    8-byte signature of the collective about to run (kind, shape, dtype, extra as `_run` gets them)
+    appended to each row, the data bytes per row, the signature as a list); (None, 0, None) when the
+    payload carries no signature.  The caller makes the output of the same layout, the `Seal` over
+    both, and reads the data back with `_unseal_bytes`."""
+    if not _sealing(g) or rows.numel() * rows.element_size() * g.n > _SEAL_BYTES_LIMIT:
+        return None, 0, None
+    r = rows.shape[0]
+    b = rows.contiguous().view(-1)  # 1-D with stride 1 (a size-1 dimension may carry any stride)
+    b = (b.view(torch.uint8) if b.dtype != torch.uint8 else b).view(r, -1)
+    sig = g._backend.watch.next_signature_bytes(kind, g.axes, shape, dtype, extra)
+    st = torch.frombuffer(bytearray(sig), dtype=torch.uint8)
+    if not b.is_cpu:
+        st = st.to(b.device)
+    send = torch.cat([b, st.expand(r, 8)], dim=1)  # one op: the copy and the signature
+    return send, b.shape[1], list(sig)
+
+
+def _unseal_bytes(out, nb, dtype, shape):
+    """The data of a sealed output buffer ([r, nb + 8] bytes) as a contiguous tensor of `dtype`, `shape`."""
+    return out[..., :nb].contiguous().view(dtype).view(shape)
+
+
+# --------------------------------------------------------------------------
+# Dtypes on the wire: every result equals the simulated mesh's, bit for bit.
+# Integer sums wrap in their own dtype there and here (gloo and NCCL wrap);
+# booleans never reach a sum (collectives.psum counts them in int32, as JAX).
+# --------------------------------------------------------------------------
+#: dtypes gloo and NCCL move natively (torch.distributed views complex as real pairs)
+_MOVABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                      torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128})
+
+
+def _reduce_dtype(x, kind):
+    """The dtype a reduction of `x` runs in on the wire, or None for its own.
+
+    - 16-bit floats on the CPU (gloo, shared memory) are summed in float32 and
+      rounded once, as torch's sum on the simulated mesh does; gloo would round
+      after every addition, so 3+ devices could differ in the last bit.  NCCL
+      keeps its own 16-bit reduction (bandwidth matters there).
+    - int16 (gloo and NCCL lack it) runs in int32: the truncation back wraps
+      exactly as an int16 sum would; max/min are exact.
+    """
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32 if kind in ("psum", "psum_scatter") and x.device.type == "cpu" else None
+    if x.dtype == torch.int16:
+        return torch.int32
+    return None
+
+
+def _as_bytes(x):
+    """`x` flattened to its bytes (uint8), for moving a dtype the backend does not know; bit-exact.
+    (A fresh copy: a size-1 dimension may have any stride, which `view` to another item size refuses.)"""
+    return x.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
+def _all_reduce(x, g: Group, kind):
+    if g.n == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    wire = _reduce_dtype(x, kind)
+    dist = _dist()
+    shm = g.shm(x) if kind == "psum" else None
+    if shm is not None:
+        out = x.to(dtype=wire or x.dtype, memory_format=torch.contiguous_format, copy=True)
+        _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_reduce(out, out=out))
+        return out if wire is None else out.to(x.dtype)
+    op = dist.ReduceOp.SUM if kind == "psum" else dist.ReduceOp.MAX if kind == "pmax" else dist.ReduceOp.MIN
+    buf, out, seal = _sealed_reduce(x, wire or x.dtype, g, kind)  # a fresh copy (+ the signature trailer)
+    _run(g, kind, x.shape, x.dtype, lambda pg: dist.all_reduce(buf, op=op, group=pg, async_op=True), seal=seal)
+    return out if wire is None else out.to(x.dtype)
+
+
+def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
+    """As `_run`, with the data moved by the group's shared-memory transport."""
+    w = g._backend.watch
+    with torch.no_grad():
+        w.verify(w.begin(kind, g.axes, shape, dtype, extra, exchange=True))  # no payload signature here
+        result = fn()
+    w.done()
+    return result
+
+
+def _gather_rows(x, g: Group, kind, extra=""):
+    """[n, *x.shape]: every position's block, in the tuple's order."""
+    x = x.contiguous()
+    if g.n == 1:
+        return x.unsqueeze(0).clone()
+    dist = _dist()
+    flat = x.reshape(-1) if x.dtype in _MOVABLE else _as_bytes(x)
+    shm = g.shm(x)
+    if shm is not None:
+        out = _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_gather(flat), extra)
+    else:
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        send, nb, expect = _sealed_bytes(flat.reshape(1, -1), g, kind, x.shape, x.dtype, extra)
+        if send is None:
+            out = flat.new_empty((g.n, flat.numel()))
+            _run(g, kind, x.shape, x.dtype, lambda pg: fn(out, flat.reshape(1, -1), group=pg, async_op=True),
+                 extra)
+        else:
+            got = send.new_empty((g.n, nb + 8))
+            _run(g, kind, x.shape, x.dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
+                 seal=Seal("bytes", None, got[:, nb:], expect))
+            out = _unseal_bytes(got, nb, flat.dtype, (g.n, flat.numel()))
+    if out.dtype != x.dtype:
+        out = out.view(x.dtype)
+    if g.g2t is not None:
+        out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
+    return out.view(g.n, *x.shape)
+
+
+def _all_gather(x, g: Group, axis, tiled, kind="all_gather"):
+    rows = _gather_rows(x, g, kind, f"axis={axis}, tiled={tiled}")
+    t = rows.movedim(0, axis)
+    if tiled:
+        t = t.flatten(axis, axis + 1)
+    return t
+
+
+def _chunks(x, n, dim, tiled):
+    """[n, *chunk]: `x` cut into n chunks along `dim` (tiled) or unstacked (untiled)."""
+    if tiled:
+        x = x.unflatten(dim, (n, x.shape[dim] // n))
+    return x.movedim(dim, 0)
+
+
+def _psum_scatter(x, g: Group, dim, tiled):
+    chunks = _chunks(x, g.n, dim, tiled)
+    if g.n == 1:
+        return chunks[0].clone()
+    dist = _dist()
+    if g.g2t is not None:  # row r of the input goes to group rank r
+        chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
+    wire = _reduce_dtype(x, "psum_scatter")
+    if wire is not None:
+        chunks = chunks.to(wire)
+    extra = f"scatter_dimension={dim}, tiled={tiled}"
+    shm = g.shm(x)
+    if shm is not None:
+        inp = chunks.reshape(g.n, -1).contiguous()
+        out = _run_shm(g, "psum_scatter", x.shape, x.dtype, lambda: shm.reduce_scatter(inp), extra)
+        return out.reshape(chunks.shape[1:]).to(x.dtype)
+    inp, buf, out, seal = _sealed_reduce_rows(chunks.reshape(-1), g.n, g)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    # gloo's reduce_scatter ignores a wait's timeout: a helper thread waits for it (blocking=True)
+    _run(g, "psum_scatter", x.shape, x.dtype, lambda pg: fn(buf, inp, group=pg, async_op=True), extra, seal=seal,
+         blocking=True)
+    return out.view(chunks.shape[1:]).to(x.dtype)
+
+
+def _own_block(x, g: Group, axis, tiled):
+    """This position's block of a gathered value (the transpose of all_gather_invariant)."""
+    if tiled:
+        c = x.shape[axis] // g.n
+        return x.narrow(axis, g.index * c, c).contiguous()
+    return x.select(axis, g.index).contiguous()
+
+
+def _ppermute(x, g: Group, perm):
+    me = g.index
+    send = [d for s, d in perm if s == me]
+    recv = [s for s, d in perm if d == me]
+    if g.n == 1:
+        return x.clone() if recv else torch.zeros_like(x)
+    if x.dtype not in _MOVABLE:
+        return _ppermute(_as_bytes(x), g, perm).view(x.dtype).reshape(x.shape)
+    dist = _dist()
+    x = x.contiguous()
+    shm = g.shm(x)
+    if shm is not None:
+        tperm = [tuple(g.torch_ranks((s, d))) for s, d in perm]
+        return _run_shm(g, "ppermute", x.shape, x.dtype, lambda: shm.ppermute(x, tperm), f"perm={list(perm)}")
+    out = torch.empty_like(x) if recv else torch.zeros_like(x)  # a device with no source gets zeros
+    if me in send and me in recv:
+        out.copy_(x)
+    sx, nb, expect = _sealed_bytes(x.reshape(1, -1), g, "ppermute", x.shape, x.dtype, f"perm={list(perm)}")
+    if sx is None:
+        sx, so, seal = x, out, None
+    else:  # signature appended to what is sent; the received one is checked
+        src = [s for s in recv if s != me]
+        so = sx.new_empty(sx.shape) if src else None
+        seal = Seal("bytes", None, so[:, nb:] if src else None, expect)
+
+    def launch(pg):
+        ops = [dist.P2POp(dist.isend, sx, g.ranks[d], pg) for d in send if d != me]
+        ops += [dist.P2POp(dist.irecv, so, g.ranks[s], pg) for s in recv if s != me]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    _run(g, "ppermute", x.shape, x.dtype, launch, f"perm={list(perm)}", seal=seal)
+    if seal is not None and seal.recv is not None:
+        out = _unseal_bytes(so, nb, x.dtype, x.shape)
+    return out
+
+
+def _all_to_all(x, g: Group, split_axis, concat_axis, tiled):
+    chunks = _chunks(x, g.n, split_axis, tiled)  # [dst, *chunk]
+    if g.n > 1:
+        dist = _dist()
+        if g.g2t is not None:
+            chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
+        inp = chunks.contiguous()
+        if inp.dtype not in _MOVABLE:
+            inp = _as_bytes(inp).view(g.n, -1)
+        extra = f"split_axis={split_axis}, concat_axis={concat_axis}, tiled={tiled}"
+        shm = g.shm(inp)
+        if shm is not None:
+            out = _run_shm(g, "all_to_all", x.shape, x.dtype, lambda: shm.all_to_all(inp), extra)
+        else:
+            sin, nb, expect = _sealed_bytes(inp, g, "all_to_all", x.shape, x.dtype, extra)
+            if sin is None:
+                out = torch.empty_like(inp)
+                _run(g, "all_to_all", x.shape, x.dtype,
+                     lambda pg: dist.all_to_all_single(out, inp, group=pg, async_op=True), extra)
+            else:
+                sout = torch.empty_like(sin)
+                _run(g, "all_to_all", x.shape, x.dtype,
+                     lambda pg: dist.all_to_all_single(sout, sin, group=pg, async_op=True), extra,
+                     seal=Seal("bytes", None, sout[:, nb:], expect))
+                out = _unseal_bytes(sout, nb, inp.dtype, inp.shape)
+        if out.dtype != x.dtype:
+            out = out.view(x.dtype).reshape(chunks.shape)
+        if g.g2t is not None:
+            out = out.index_select(0, torch.tensor(g.t2g, device=x.device))
+        chunks = out  # [src, *chunk]
+    else:
+        chunks = chunks.clone()
+    t = chunks.movedim(0, concat_axis)
+    if tiled:
+        t = t.flatten(concat_axis, concat_axis + 1)
+    return t

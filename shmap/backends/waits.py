@@ -1,0 +1,360 @@
+"""Watched waits: a wait on a collective that watches the store for failed, exited or diverging peers.
+
+A wait on a CPU (gloo) collective waits in slices; between slices it reads
+the TCPStore for reports of other ranks and raises `RankFailedError` when one
+failed or exited, `CollectiveMismatchError` when a stalled rank waits in a
+different collective, and `CollectiveTimeoutError` after the timeout, naming
+the ranks that never arrived and what each waiting rank waits for.
+`WatchedWaits` is the part of the guard (`guard.Watch`) that does this.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+
+import torch
+
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+from .config import _OPTIONS, _POLL
+from .signatures import describe
+
+#: guards the creation of this process's guard (`watchdog.watch`) and of the waiter thread
+_WATCH_LOCK = threading.Lock()
+
+
+class WatchedWaits:
+    """The watched waits of the guard `guard.Watch` (and the messages that name the ranks involved)."""
+
+    def wait(self, work, what, ranks, *, gloo: bool, signature=False, blocking=False):
+        """Wait for `work`, watching for failed peers and the timeout.
+
+        `what` describes the wait for messages (None: the current collective);
+        `ranks` are the global ranks it needs (None: all).  `blocking`: the
+        work's `wait` ignores its timeout (gloo's reduce_scatter does), so a
+        helper thread waits for it while this one watches.
+        """
+        if not gloo:
+            work.wait()
+            return
+        if blocking:
+            done, err = _waiter().submit(work)
+        t0 = None
+        published = False
+        while True:
+            try:
+                if not blocking:
+                    work.wait(_POLL[0])
+                    break
+                if done.wait(_OPTIONS["poll"]):
+                    if err:
+                        raise err[0]
+                    break
+            except RuntimeError as e:
+                if blocking and not err:
+                    raise
+                if blocking or work.is_completed():
+                    if not _transport_error(e):  # a local error (dtype, shape, ...): as it is
+                        raise
+                    raise self._broken(e, self._what(what, signature), ranks) from e  # e.g. a peer died
+            # Still running after a slice (outside the except: errors below chain to nothing).
+            now = time.monotonic()
+            if t0 is None:
+                t0 = now - _OPTIONS["poll"]
+            if not published:
+                self._publish_wait(self._what(what, signature))
+                published = True
+                next_compare = now + _OPTIONS["poll"]
+            self._poll(self._what(what, signature), ranks, t0, now)
+            if now >= next_compare and _OPTIONS["check_collectives"] and self.current is not None:
+                next_compare = now + 1.0
+                self._compare_records(ranks)
+        if published:
+            self._unpublish_wait()
+
+    def _what(self, what, signature=False):
+        if what is not None:
+            return what
+        cur = self.describe_current()
+        return f"the signature exchange of {cur}" if signature else cur
+
+    def _publish_wait(self, what):
+        """Tell the other ranks where this one waits (the record stall-time checks and messages read)."""
+        n, desc = (self.current[0], describe(*self.current[1:])) if self.current else (0, "")
+        try:
+            self.store.set(f"shmap/wait/{self.rank}", f"{n}\t{self.epoch}\t{desc}\t{what} at {_user_location()}")
+        except Exception:  # noqa: BLE001 - diagnostics only
+            pass
+
+    def _record(self, r):
+        """Rank r's wait record: (counter, epoch, description, where) or None."""
+        key = f"shmap/wait/{r}"
+        try:
+            if not self.store.check([key]):
+                return None
+            n, epoch, desc, where = self.store.get(key).decode(errors="replace").split("\t", 3)
+            return int(n), int(epoch), desc, where
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _compare_records(self, ranks):
+        """A stalled wait: a rank of the group that waits in a different collective at the same count
+        is a mismatch (e.g. ranks that disagree on a shape, whose data exchange can never complete)."""
+        n = self.current[0]
+        mine = (n, self.epoch, describe(*self.current[1:]))
+        members = [r for r in (range(self.world) if ranks is None else ranks) if r != self.rank]
+        if len(members) > 32:  # a large group: a rotating window per round, to spare the store
+            self._window = (getattr(self, "_window", 0) + 32) % len(members)
+            members = (members[self._window:] + members[:self._window])[:32]
+        for r in members:
+            rec = self._record(r)
+            if rec is not None and rec[0] == n and rec[:3] != mine:
+                self.poisoned = True
+                self._mismatch_found(ranks, "a stalled wait")
+
+    def _mismatch_found(self, ranks, how, dead=(), note=""):
+        """Raise `CollectiveMismatchError` listing what each rank of the group called (from the store;
+        for `dead` ranks, and live ones that stay silent, from their black boxes)."""
+        n = self.current[0]
+        desc = describe(*self.current[1:])
+        self._publish_wait(self.describe_current())
+        members = [r for r in (range(self.world) if ranks is None else ranks)]
+        recs = {self.rank: self._record(self.rank) or (n, self.epoch, desc, "")}
+        deadline = time.monotonic() + 2.0
+        while True:  # the others publish theirs when they detect it too, or when their wait stalls
+            late = time.monotonic() > deadline
+            for r in members:
+                if r not in recs:
+                    rec = self._box_record(r) if r in dead or late else self._record(r)
+                    if rec is not None and rec[0] >= n:
+                        recs[r] = rec
+            if len(recs) == len(members) or late:
+                break
+            time.sleep(0.05)
+        epochs = {rec[1] for rec in recs.values()}
+        groups: dict = {}
+        for r, (cn, ep, cd, where) in recs.items():
+            loc = where.rpartition(" at ")[2] if " at " in where else ""
+            key = (cn, cd) if len(epochs) == 1 else (cn, f"{cd}, after {ep} shard_map bodies")
+            groups.setdefault(key, []).append((r, loc))
+        lines = []
+        for (cn, cd), got in sorted(groups.items(), key=lambda kv: min(r for r, _ in kv[1])):
+            locs = sorted({loc for _, loc in got if loc})
+            where = f" at {', '.join(locs)}" if locs else ""
+            lines.append(f"  {_ranks([r for r, _ in got])}: collective #{cn}: {cd}{where}")
+        silent = sorted(set(members) - set(recs))
+        if silent:
+            lines.append(f"  {_ranks(silent)}: not waiting in collective #{n} (still computing, elsewhere, "
+                         "or dead)")
+        if len(groups) == 1 and not silent:
+            lines.append("  (the same call everywhere here: the ranks disagree on how many collectives or "
+                         "shard_map bodies came before it)")
+        raise CollectiveMismatchError(
+            f"distributed mesh: the ranks called different collectives (found by {how}; rank {self.rank} is "
+            f"at collective #{n}, {desc}):\n" + "\n".join(lines) + "\n" + (note + "\n" if note else "") +
+            "Every rank must run the same collectives in the same order (on the simulated mesh all devices "
+            "run one program). Usually a Python branch on a rank-dependent value, or an exception caught on "
+            "some ranks only, sends ranks down different paths. Fix: branch per device with tensor ops "
+            "(`torch.where`), or make the condition invariant first (`shmap.pmax(flag, axes)`). "
+            "Data may have been exchanged, so this process ends with a non-zero status; "
+            "configure_distributed(check_collectives='strict') checks before any data moves."
+        )
+
+    def _unpublish_wait(self):
+        try:
+            self.store.delete_key(f"shmap/wait/{self.rank}")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _read_events(self):
+        """New failure/exit reports of other ranks (one store round trip when there are none)."""
+        try:
+            n = self.store.add("shmap/nevents", 0)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to learn
+            return
+        if n <= len(self.events) + (1 if self.reported else 0):
+            return
+        for r in range(self.world):
+            if r == self.rank or r in self.events:
+                continue
+            key = f"shmap/event/{r}"
+            try:
+                if self.store.check([key]):
+                    status, _, text = self.store.get(key).decode(errors="replace").partition("\n")
+                    self.events[r] = (status, text, time.monotonic())
+            except Exception:  # noqa: BLE001
+                return
+
+    def _poll(self, what, ranks, t0, now):
+        self._read_events()
+        failed = {r: v for r, v in self.events.items() if v[0].startswith("failed")}
+        if failed:
+            self.poisoned = True
+            raise RankFailedError(self._failed_message(failed, what))
+        exited = {
+            r: v for r, v in self.events.items()
+            if v[0] == "exited" and (ranks is None or r in ranks) and now - v[2] > _OPTIONS["exit_grace"]
+        }
+        if exited:
+            self.poisoned = True
+            lines = "\n".join(f"  rank {r}: {v[1]}" for r, v in sorted(exited.items()))
+            raise RankFailedError(
+                f"distributed mesh: rank {self.rank} waits in {what}, but {_ranks(list(exited))} of its group "
+                f"finished the program without calling it:\n{lines}\n"
+                "The ranks ran different programs (a collective called on some ranks only, or a rank that "
+                "returned early). Fix: make every rank call the same collectives."
+            )
+        if now - t0 > self.timeout:
+            self.poisoned = True
+            raise CollectiveTimeoutError(self._timeout_message(what, ranks, now - t0))
+
+    def _failed_message(self, failed, what):
+        root = sorted(r for r, v in failed.items() if v[0] == "failed")
+        if not root:  # only ranks that gave up on a collective themselves: pass on what they found
+            lines = "\n".join(f"  rank {r}: " + v[1].replace("\n", "\n    ") for r, v in sorted(failed.items()))
+            return (
+                f"distributed mesh: rank {self.rank} stopped waiting in {what} because "
+                f"{_ranks(list(failed))} gave up first:\n{lines}"
+            )
+        lines = "\n".join(f"  rank {r}: {failed[r][1].splitlines()[0]}" for r in root)
+        return (
+            f"distributed mesh: {_ranks(root)} failed, so rank {self.rank} stopped waiting in {what}:\n{lines}\n"
+            f"Fix the error on {_ranks(root)} (its traceback is in that rank's output)."
+        )
+
+    def _timeout_message(self, what, ranks, elapsed):
+        members = list(range(self.world)) if ranks is None else list(ranks)
+        lines = []
+        for r in members:
+            if r == self.rank:
+                lines.append(f"  rank {r} (this one): waits in {what}")
+                continue
+            rec = self._record(r)
+            rec = rec[3] if rec else None
+            lines.append(
+                f"  rank {r}: waits in {rec}" if rec else
+                f"  rank {r}: not waiting in any collective (still computing, hung, or dead)"
+            )
+        return (
+            f"distributed mesh: {what} did not complete within {elapsed:.1f} s "
+            f"(timeout {self.timeout:g} s) on rank {self.rank}. Ranks of its group:\n" + "\n".join(lines) + "\n"
+            "Fix: find why the ranks that are not waiting never arrive; raise the timeout with "
+            "shmap.configure_distributed(timeout=...) if the wait is legitimate."
+        )
+
+    def _broken(self, err, what, ranks):
+        """The collective failed outright: name the rank behind it (one that reported, or one that
+        went silent)."""
+        self._publish_wait(what)  # the other survivors see this rank is alive, and where
+        deadline = time.monotonic() + 2 * _OPTIONS["poll"] + 1.0
+        while True:  # a dying rank reports just before its connections close: give it a moment
+            self._read_events()
+            relevant = {r: v for r, v in self.events.items() if ranks is None or r in ranks or v[0] == "failed"}
+            if relevant or time.monotonic() > deadline:
+                break
+            time.sleep(_OPTIONS["poll"] / 2)
+        self.poisoned = True
+        failed = {r: v for r, v in relevant.items() if v[0].startswith("failed")}
+        if failed:
+            return RankFailedError(self._failed_message(failed, what))
+        if relevant:
+            lines = "\n".join(f"  rank {r}: {v[1]}" for r, v in sorted(relevant.items()))
+            return RankFailedError(
+                f"distributed mesh: {what} failed on rank {self.rank} because {_ranks(list(relevant))} left:\n"
+                f"{lines}\nThe ranks ran different programs (a collective called on some ranks only)."
+            )
+        if "timed out" in str(err).lower():  # the process group's own timeout fired first
+            return CollectiveTimeoutError(
+                f"{self._timeout_message(what, ranks, self.pg_timeout)}\n(torch.distributed: {err})"
+            )
+        members = list(range(self.world)) if ranks is None else list(ranks)
+        silent = [r for r in members if r != self.rank and self._record(r) is None]
+        if silent and self.current is not None:
+            # What the silent ranks last entered (their black boxes, same host): a different collective
+            # at the same count means gloo aborted a process on the mismatch (it does when a message is
+            # larger than the receiver expects).
+            mine = (self.current[0], self.epoch, describe(*self.current[1:]))
+            boxes = {r: self._box_record(r) for r in members if r != self.rank}
+            if any(b is not None and b[0] == mine[0] and b[:3] != mine for b in boxes.values()):
+                try:
+                    self._mismatch_found(ranks, "the black boxes of the ranks that died", dead=set(silent),
+                                         note=f"{_ranks(silent)} died in it without a Python exception (gloo "
+                                              "aborts a process that receives more data than it expects).")
+                except CollectiveMismatchError as e:
+                    return e
+        if silent:
+            return RankFailedError(
+                f"distributed mesh: {what} failed on rank {self.rank} because {_ranks(silent)} stopped "
+                f"answering: its connection closed and it reported nothing, so it probably died without a "
+                f"Python exception (killed, out of memory, or a crash). Check the log of {_ranks(silent)}.\n"
+                f"(torch.distributed: {str(err).splitlines()[0][:300]})"
+            )
+        return RankFailedError(
+            f"distributed mesh: {what} failed on rank {self.rank}: {err}\n"
+            "No rank reported an error first; a peer process probably died without a Python exception "
+            "(killed, out of memory, or a crash). Check the other ranks' logs."
+        )
+
+
+class _Waiter:
+    """A daemon thread that waits for works whose `wait` ignores its timeout (one at a time, in order)."""
+
+    def __init__(self):
+        import queue
+
+        self.q = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="shmap-waiter", daemon=True).start()
+
+    def _run(self):
+        while True:
+            work, done, err = self.q.get()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the watching thread
+                err.append(e)
+            done.set()
+
+    def submit(self, work):
+        done, err = threading.Event(), []
+        self.q.put((work, done, err))
+        return done, err
+
+
+_WAITER: list = []
+
+
+def _waiter() -> _Waiter:
+    if not _WAITER:
+        with _WATCH_LOCK:
+            if not _WAITER:
+                _WAITER.append(_Waiter())
+    return _WAITER[0]
+
+
+def _transport_error(e) -> bool:
+    """Whether a failed collective failed because of the network or a peer (not its arguments)."""
+    m = str(e).lower()
+    return any(k in m for k in ("connection", "transport", "pair.cc", "timed out", "timeout", "peer", "socket"))
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _internal(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return f.startswith(_PKG) or f.startswith(_TORCH) or "<frozen" in filename
+
+
+def _user_location() -> str:
+    """file:line of the innermost user frame calling into shmap (for messages)."""
+    for fr in reversed(traceback.extract_stack()):
+        if not _internal(fr.filename):
+            return f"{os.path.basename(fr.filename)}:{fr.lineno}"
+    return ""
