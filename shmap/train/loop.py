@@ -42,7 +42,7 @@ def _rank() -> int:
 
 
 class Run:
-    """Everything a run builds once: mesh, layout, specs, data and the compiled-by-shmap step functions."""
+    """Everything a run builds once: mesh, layout, specs, data, and the two shard_mapped step functions."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -75,8 +75,7 @@ class Run:
         """Global tensors -> this mesh's layout (DTensors holding this rank's blocks under torchrun)."""
         if self.mesh is None:
             return tree
-        return optree.tree_map(lambda x, s: shmap.device_put(x, self.mesh, s), tree, specs,
-                               none_is_leaf=False)
+        return optree.tree_map(lambda x, s: shmap.device_put(x, self.mesh, s), tree, specs)
 
     def fresh_state(self):
         params = model.init_params(self.cfg)
@@ -281,8 +280,11 @@ def train(cfg: Config, log=print) -> dict:
                 writer.flush()
                 val = run.evaluate(params)
                 writer.write({"step": done, "val_loss": val})  # the loss after `done` updates
-                if bar is None:
-                    log(f"step {done}: train {writer.history[-2]['train_loss']:.4f}  val {val:.4f}")
+                line = f"step {done}: train {writer.history[-2]['train_loss']:.4f}  val {val:.4f}"
+                if bar is not None:
+                    bar.write(line)  # above the bar
+                else:
+                    log(line)
                 t_prev = time.perf_counter()
             if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 writer.flush()  # never checkpoint a state whose loss was not finite
