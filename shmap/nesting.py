@@ -134,7 +134,7 @@ def enter(value: ShTensor, spec, body) -> ShTensor:
 
 def exit(path, value, spec, body, mesh, fname):
     """This body's output -> the parent body's value, after the replication check over own axes."""
-    from .shard_map import _axes_lit, _check_spec, _suggest_spec
+    from .shard_map import _axes_lit, _check_spec, _unmentioned_axes
 
     parent = body.parent
     if isinstance(value, ShTensor) and value._body is parent:
@@ -169,14 +169,7 @@ def exit(path, value, spec, body, mesh, fname):
     named = set(spec.axes())
     extra = [a for a in body.own if a in varying and a not in named]
     if extra:
-        raise VmaError(
-            f"shard_map({fname}) {path}: the output varies along {fmt_vma(varying, body.axes)} but its spec "
-            f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
-            f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
-            f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
-            f"`shmap.psum(y, {_axes_lit(extra)})` (or `shmap.all_gather`), or name the axis in the "
-            f"spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
-        )
+        raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
     if not body.backend.batched:
         return _exit_distributed(x, spec, body, own, named)
     phys, paxes, vma_ = x._phys, x._paxes, x._vma

@@ -429,15 +429,7 @@ def _exit(path, value, spec, body, mesh, fname):
         named = set(spec.axes())
         extra = [a for a in body.axes if a in varying and a not in named]
         if extra:
-            raise VmaError(
-                f"shard_map({fname}) {path}: the output varies along {fmt_vma(varying, body.axes)} but its spec "
-                f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
-                f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
-                f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
-                f"`shmap.psum(y, {_axes_lit(extra)})`, or gather it with "
-                f"`shmap.all_gather_invariant(y, {_axes_lit(extra)})` (`shmap.all_gather`'s result is typed "
-                f"varying), or name the axis in the spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
-            )
+            raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
     phys, paxes, vma_ = x._phys, x._paxes, x._vma
     if x._unreduced:
         # The caller gets the logical value: the simulated mesh sums the pending terms here;
@@ -455,6 +447,19 @@ def _exit(path, value, spec, body, mesh, fname):
     if not body.backend.batched:
         paxes = body.order(vma_)
     return body.backend.assemble(phys, paxes, spec, body, x.shape)
+
+
+def _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body) -> VmaError:
+    """An output varying along axes its out_spec does not name: no single value is the output."""
+    return VmaError(
+        f"shard_map({fname}) {path}: the output varies along {fmt_vma(varying, body.axes)} but its spec "
+        f"{spec} does not mention {', '.join(repr(a) for a in extra)}, so devices along "
+        f"{'that axis' if len(extra) == 1 else 'those axes'} may hold different values and no single "
+        f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
+        f"`shmap.psum(y, {_axes_lit(extra)})`, or gather it with "
+        f"`shmap.all_gather_invariant(y, {_axes_lit(extra)})` (`shmap.all_gather`'s result is typed "
+        f"varying), or name the axis in the spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
+    )
 
 
 def _unreduced_mismatch(fname, path, spec, x, body):
