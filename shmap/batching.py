@@ -125,7 +125,7 @@ def _matmul_ok(args, kwargs, batched, out_paxes):
         return False
     paxes = dict(batched)
     rank = [a.dim() - len(paxes.get(i, ())) for i, a in enumerate(args)]
-    return (rank[0] >= 2 and rank[1] == 2 and bool(paxes.get(1))
+    return (2 <= rank[0] <= 12 and rank[1] == 2 and bool(paxes.get(1))  # (letters a.. stay clear of m, k, n)
             and not direct_ok(torch.matmul, list(args), batched, out_paxes))
 
 
