@@ -358,13 +358,8 @@ def _grads_typed(g, argnums, args, body):
     return _from_phys(g, _to_phys(_ftrans._slice_argnums(args, argnums, as_tuple=False))[1], body)
 
 
-def _vjp_with_argnums(func, *primals, argnums=None, has_aux=False):
-    if not _in_body(primals):
-        return _ORIG_VJP(func, *primals, argnums=argnums, has_aux=has_aux)
-    body = _first_body(optree.tree_leaves(primals, none_is_leaf=True))
-    pprim, types = _to_phys(primals)
-    out = _Out()
-
+def _physical(func, types, body, has_aux, out):
+    """`func` on typed body values as a function of physical tensors; the outputs' types land in `out`."""
     def run(*phys_args):
         res = func(*_from_phys(phys_args, types, body))
         val, aux = res if has_aux else (res, None)
@@ -373,6 +368,16 @@ def _vjp_with_argnums(func, *primals, argnums=None, has_aux=False):
             pa, out.aux_types = _to_phys(aux)
             return p, pa
         return p
+    return run
+
+
+def _vjp_with_argnums(func, *primals, argnums=None, has_aux=False):
+    if not _in_body(primals):
+        return _ORIG_VJP(func, *primals, argnums=argnums, has_aux=has_aux)
+    body = _first_body(optree.tree_leaves(primals, none_is_leaf=True))
+    pprim, types = _to_phys(primals)
+    out = _Out()
+    run = _physical(func, types, body, has_aux, out)
 
     got = _ORIG_VJP(run, *pprim, argnums=argnums, has_aux=has_aux)
     pout, pfn = got[0], got[1]
@@ -415,15 +420,7 @@ def _jvp_with_argnums(func, primals, tangents, argnums=None, *, strict=False, ha
         for t, ty in zip(tangents, [_to_phys(p)[1] for p in primals])
     )
     out = _Out()
-
-    def run(*phys_args):
-        res = func(*_from_phys(phys_args, types, body))
-        val, aux = res if has_aux else (res, None)
-        p, out.types = _to_phys(val)
-        if has_aux:
-            pa, out.aux_types = _to_phys(aux)
-            return p, pa
-        return p
+    run = _physical(func, types, body, has_aux, out)
 
     got = _ORIG_JVP(run, pprim, ptan, argnums, strict=strict, has_aux=has_aux)
     val = _from_phys(got[0], out.types, body)

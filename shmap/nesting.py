@@ -134,26 +134,12 @@ def enter(value: ShTensor, spec, body) -> ShTensor:
 
 def exit(path, value, spec, body, mesh, fname):
     """This body's output -> the parent body's value, after the replication check over own axes."""
-    from .shard_map import _axes_lit, _check_spec, _unmentioned_axes
+    from .shard_map import _axes_lit, _check_spec, _output_value, _unmentioned_axes
 
     parent = body.parent
     if isinstance(value, ShTensor) and value._body is parent:
         value = ShTensor(value._phys, value._paxes, value._vma, body, value._unreduced)
-    if isinstance(value, ShTensor):
-        if value._body is not body:
-            raise VmaError(
-                f"shard_map({fname}) {path}: the output belongs to another shard_map body. "
-                "Fix: return values computed in this body."
-            )
-        x = value
-    elif isinstance(value, (torch.Tensor, int, float, complex, bool)):
-        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-        x = ShTensor(t, (), frozenset(), body)
-    else:
-        raise TypeError(
-            f"shard_map({fname}) {path}: the body returned {type(value).__name__} here; outputs must be "
-            "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
-        )
+    x = _output_value(path, value, body, fname)
     own = frozenset(body.own)
     _check_spec(spec, path, x.shape, mesh, body.own, fname, what="the output", split=False)
     own_unred = x._unreduced & own

@@ -401,21 +401,7 @@ def _exit(path, value, spec, body, mesh, fname):
     """Body output -> global value, after the static replication check."""
     if body.parent is not None:  # nested: back to the parent body's layout
         return nesting.exit(path, value, spec, body, mesh, fname)
-    if isinstance(value, ShTensor):
-        if value._body is not body:
-            raise VmaError(
-                f"shard_map({fname}) {path}: the output belongs to another shard_map body. "
-                "Fix: return values computed in this body."
-            )
-        x = value
-    elif isinstance(value, torch.Tensor) or isinstance(value, numbers.Number):
-        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-        x = ShTensor(t, (), frozenset(), body)
-    else:
-        raise TypeError(
-            f"shard_map({fname}) {path}: the body returned {type(value).__name__} here; outputs must be "
-            "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
-        )
+    x = _output_value(path, value, body, fname)
     _check_spec(spec, path, x.shape, mesh, body.axes, fname, what="the output", split=False)
     implicit = spec.unreduced - x._unreduced
     if implicit and body.check_vma and implicit <= x._vma:
@@ -447,6 +433,24 @@ def _exit(path, value, spec, body, mesh, fname):
     if not body.backend.batched:
         paxes = body.order(vma_)
     return body.backend.assemble(phys, paxes, spec, body, x.shape)
+
+
+def _output_value(path, value, body, fname) -> ShTensor:
+    """What the body returned at `path` as a value of this body (a tensor or number is invariant)."""
+    if isinstance(value, ShTensor):
+        if value._body is not body:
+            raise VmaError(
+                f"shard_map({fname}) {path}: the output belongs to another shard_map body. "
+                "Fix: return values computed in this body."
+            )
+        return value
+    if isinstance(value, torch.Tensor) or isinstance(value, numbers.Number):
+        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        return ShTensor(t, (), frozenset(), body)
+    raise TypeError(
+        f"shard_map({fname}) {path}: the body returned {type(value).__name__} here; outputs must be "
+        "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."
+    )
 
 
 def _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body) -> VmaError:
