@@ -1,14 +1,28 @@
-"""Batch-friendly decompositions for ops functorch has no batching rule for.
+"""How an ordinary op runs over the device dims of the simulated mesh, once for all devices.
 
-Without a rule functorch falls back to a per-device Python loop (and warns);
-these rewrite the op with batchable primitives.  Used only when an op runs
-batched over devices; anything outside the supported argument range falls
-back to the original function.
+In order of preference: a hand-written direct form (`DIRECT`: matmul and einsum
+with varying weights, attention, reductions), the op itself where numpy-style
+broadcasting already lines the device dims up (`direct_ok`), else one functorch
+vmap level per device axis (`run_batched`). Under vmap, ops functorch has no
+batching rule for (it would fall back to a per-device Python loop, and warn) run
+as batchable decompositions (`OVERRIDES`: cross_entropy, nll_loss); anything
+outside their supported argument range runs the original function.
 """
 from __future__ import annotations
 
+import math
+
+import optree
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import (
+    _add_batch_dim,
+    _remove_batch_dim,
+    _vmap_decrement_nesting,
+    _vmap_increment_nesting,
+)
+
+from . import contract
 
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -66,14 +80,38 @@ def _sdpa_direct(batched, out_paxes, query, key, value, attn_mask=None, dropout_
 
     SDPA treats leading dims as batch dims, but its fused CPU/GPU kernels want
     4-d inputs (with more dims it falls back to the slow math path), so the
-    device dims and the per-device batch dims are flattened into one.
+    device dims and the per-device batch dims are flattened into one. Where that
+    needs a copy (q, k, v sliced from one projection: its q/k/v dim sits between
+    the device dims and the batch), the batch dims may fold into the heads instead,
+    as views: attention is the same per (batch, head) pair, and so are the kernel's
+    bits (it computes each pair on its own).
     """
     qkv = (query, key, value)
     if query.dim() > 4:
-        qkv = [t.reshape((-1,) + tuple(t.shape[-3:])) for t in qkv]
+        qkv = _sdpa_4d(qkv)
     out = F.scaled_dot_product_attention(*qkv, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                          enable_gqa=enable_gqa)
     return out.reshape(tuple(query.shape[:-1]) + (out.shape[-1],))
+
+
+def _sdpa_4d(qkv):
+    """q, k, v as [batch, heads, L, E]: views when some split of their leading dims allows it (the
+    heads dim alone first), else copies (reshape)."""
+    lead = tuple(qkv[0].shape[:-2])
+    if all(tuple(t.shape[:-2]) == lead for t in qkv):
+        for j in range(len(lead) - 1, -1, -1):
+            shape = (math.prod(lead[:j]), math.prod(lead[j:]))
+            views = [_view_or_none(t, shape + tuple(t.shape[-2:])) for t in qkv]
+            if all(v is not None for v in views):
+                return views
+    return [t.reshape((-1,) + tuple(t.shape[-3:])) for t in qkv]
+
+
+def _view_or_none(t, shape):
+    try:
+        return t.view(shape)
+    except (RuntimeError, ValueError):  # (fake tensors under torch.compile raise ValueError)
+        return None
 
 
 def _sdpa_ok(args, kwargs, batched, out_paxes):
@@ -111,9 +149,12 @@ def _einsum_direct(batched, out_paxes, eq, *operands):
     letter = dict(zip(out_paxes, free))
     paxes = dict(batched)
     specs = ["".join(letter[a] for a in paxes.get(i + 1, ())) + sp for i, sp in enumerate(specs)]
+    out = "".join(free) + out
+    if len(operands) == 2 and contract.applies(specs, out, operands):
+        return contract.Contract.apply(specs[0], specs[1], out, *operands)
     # einsum returns its GEMM's layout (device dims inside); later pointwise ops and their backward
     # run several times slower on such a permuted view than one copy costs here
-    return torch.einsum(",".join(specs) + "->" + "".join(free) + out, *operands).contiguous()
+    return torch.einsum(",".join(specs) + "->" + out, *operands).contiguous()
 
 
 def _matmul_ok(args, kwargs, batched, out_paxes):
@@ -136,6 +177,38 @@ def _matmul_direct(batched, out_paxes, x, w):
     return _einsum_direct([(i + 1, p) for i, p in batched], out_paxes, f"{xs},kn->{xs[:-1]}n", x, w)
 
 
+def _reduce_dims(args, kwargs, batched, out_paxes):
+    """The physical dims of `x.sum(dim)` / `x.mean(dim)` (dim: None, an int or a sequence, within the
+    per-device rank >= 1), or None where the call is anything else (it then runs batched)."""
+    if len(batched) != 1 or batched[0] != (0, out_paxes) or not args or len(args) > 3:
+        return None
+    x, k = args[0], len(out_paxes)
+    rank = x.dim() - k
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if rank < 1 or set(kwargs) - {"dim", "keepdim", "dtype"} or (len(args) > 1 and "dim" in kwargs):
+        return None
+    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
+        return tuple(range(k, k + rank))
+    dims = (dim,) if isinstance(dim, int) else dim
+    if not isinstance(dims, (tuple, list)) or not all(type(d) is int and -rank <= d < rank for d in dims):
+        return None
+    return tuple(d + k if d >= 0 else d for d in dims)
+
+
+def _reduce_ok(args, kwargs, batched, out_paxes):
+    return _reduce_dims(args, kwargs, batched, out_paxes) is not None
+
+
+def _reduction(op):
+    def run(batched, out_paxes, x, *args, **kwargs):
+        """The reduction on the physical tensor over the per-device dims (the device dims stay)."""
+        dims = _reduce_dims((x,) + args, kwargs, batched, out_paxes)
+        keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+        extra = {"dtype": kwargs["dtype"]} if kwargs.get("dtype") is not None else {}
+        return op(x, dims, keepdim, **extra)
+    return run
+
+
 #: ops with a hand-written direct form: func -> (applies(args, kwargs, batched, out_paxes),
 #: run(batched, out_paxes, *physical args, **kwargs)); `batched` lists (argument index, device axes).
 DIRECT = {
@@ -146,6 +219,9 @@ DIRECT = {
 DIRECT.update({f: (_matmul_ok, _matmul_direct) for f in (
     torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch._C.TensorBase.matmul,
     torch._C.TensorBase.__matmul__)})
+DIRECT.update({f: (_reduce_ok, _reduction(op)) for op, fs in (
+    (torch.sum, (torch.sum, torch._C.TensorBase.sum)), (torch.mean, (torch.mean, torch._C.TensorBase.mean)))
+    for f in fs})
 
 
 def direct_ok(func, args, batched, out_paxes) -> bool:
@@ -190,6 +266,9 @@ def direct_ok(func, args, batched, out_paxes) -> bool:
         return args[1].dim() - k >= 2 and 1 <= other.dim() <= args[1].dim() - k and name != "mm"
     if name in LINEAR and batched and batched[0][0] == 0 and len(batched) == 1 and batched[0][1] == out_paxes:
         return True
+    if name == "to":  # a dtype or device conversion, element by element (not a layout or another's dtype)
+        return len(batched) == 1 and batched[0] == (0, out_paxes) and not any(
+            isinstance(a, (torch.Tensor, torch.memory_format)) for a in args[1:])
     return False
 
 
@@ -205,3 +284,132 @@ def run(func, args, kwargs):
         if out is not None:
             return out
     return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# A call's tree of arguments, and the vmap levels of an op no direct form covers
+# --------------------------------------------------------------------------
+_CONTAINERS = (list, tuple, dict)
+
+
+def _opaque(a) -> bool:
+    """Whether `a` is a leaf for dispatch: not a container, or a tuple or list of plain values (a
+    shape, some dims) that holds no tensor and no container."""
+    if not isinstance(a, _CONTAINERS):
+        return True
+    return not isinstance(a, dict) and not any(isinstance(e, (torch.Tensor, list, tuple, dict)) for e in a)
+
+
+def flatten(args, kwargs):
+    """Leaves of (args, kwargs) and how to rebuild them. A call whose arguments are all leaves (see
+    `_opaque`) skips the pytree machinery: its tree is None, or (number of positional arguments,
+    keyword names)."""
+    for a in args:
+        if not _opaque(a):
+            return optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    if not kwargs:
+        return list(args), None
+    for a in kwargs.values():
+        if not _opaque(a):
+            return optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    return [*args, *kwargs.values()], (len(args), tuple(kwargs))
+
+
+def unflatten(treedef, leaves):
+    """(args, kwargs) from `flatten`'s leaves and tree."""
+    if treedef is None:
+        return leaves, {}
+    if type(treedef) is tuple:
+        n, keys = treedef
+        return leaves[:n], dict(zip(keys, leaves[n:]))
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def level_plan(out_paxes, batched):
+    """Nesting order of the vmap levels and, per level, where each batch dim sits.
+
+    Functorch applies the innermost level's batching rule first.  An axis along
+    which some operand is invariant must be innermost, so its rule sees an
+    unbatched operand and folds the batch into one big op (`[n*m, k] @ [k, n]`)
+    instead of broadcasting that operand to every device before a `bmm`.
+    Returns (levels, adds, removes): `levels` outer-to-inner axis order;
+    `adds[l]` the (operand, batch dim) pairs to add at level l; `removes[l]` the
+    output dim to restore level l's axis at (inner levels first), so outputs
+    come back in mesh order.
+    """
+    key = (out_paxes, tuple(p for _, p in batched))
+    got = _PLANS.get(key)
+    if got is not None:
+        return got
+    count = {a: sum(a in p for _, p in batched) for a in out_paxes}
+    levels = sorted(out_paxes, key=lambda a: (-count[a], out_paxes.index(a)))
+    adds = []
+    for li, a in enumerate(levels):
+        done = set(levels[:li])
+        adds.append([
+            (j, sum(1 for b in p if b not in done and p.index(b) < p.index(a)))
+            for j, (_, p) in enumerate(batched) if a in p
+        ])
+    removes = []
+    for li in reversed(range(len(levels))):
+        a = levels[li]
+        inner = set(levels[li + 1:])
+        removes.append(sum(1 for b in out_paxes if b in inner and out_paxes.index(b) < out_paxes.index(a)))
+    got = (tuple(levels), adds, removes)
+    if len(_PLANS) < 4096:
+        _PLANS[key] = got
+    return got
+
+
+_PLANS: dict = {}
+
+
+def run_batched(func, leaves, treedef, batched, out_paxes, body):
+    """`func` on the physical leaves under one functorch vmap level per device axis (`level_plan`),
+    its decomposition where torch has no batching rule (`run`); the device dims come back leading,
+    in mesh order. With no device dims (an invariant result), a plain call."""
+    if not out_paxes:
+        args, kwargs = unflatten(treedef, leaves)
+        return func(*args, **kwargs)
+    sizes = body.sizes
+    order, adds, removes = level_plan(out_paxes, batched)
+    levels = []
+    try:
+        for ax, add in zip(order, adds):
+            n = sizes[ax]
+            lvl = _vmap_increment_nesting(n, "different")
+            levels.append((lvl, n))
+            for j, bdim in add:
+                k = batched[j][0]
+                leaves[k] = _add_batch_dim(leaves[k], bdim, lvl)
+        args, kwargs = unflatten(treedef, leaves)
+        try:
+            out = run(func, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
+            if hasattr(e, "add_note"):
+                e.add_note(
+                    f"(shmap: raised while running {fname(func)} batched over the devices of mesh "
+                    f"{body.describe()}; per-device shapes are the logical ones.)"
+                )
+            raise
+        single = isinstance(out, torch.Tensor)
+        out_leaves, out_def = ([out], None) if single else optree.tree_flatten(out, none_is_leaf=True)
+        for out_dim in removes:
+            lvl, n = levels.pop()
+            out_leaves = [
+                _remove_batch_dim(o, lvl, n, out_dim) if isinstance(o, torch.Tensor) else o for o in out_leaves
+            ]
+            _vmap_decrement_nesting()
+        return out_leaves[0] if single else optree.tree_unflatten(out_def, out_leaves)
+    finally:
+        for _ in levels:
+            _vmap_decrement_nesting()
+
+
+def fname(func) -> str:
+    """How an error message names `func` (torch.add, Tensor.sum, a user's function)."""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    mod = getattr(func, "__module__", "") or ""
+    if mod.startswith("torch") and not name.startswith("Tensor"):
+        return f"torch.{name}" if "." not in name else name
+    return name

@@ -1,43 +1,59 @@
 """Collectives inside shard_map bodies: their types, checks and transposes.
 
 Each collective is a section headed by its device-variance signature.  "V{A}"
-means varying along the named axes A, "I{A}" invariant along them.  The user
-function normalises the axis argument, checks shapes, applies the type rule
-(lifting an invariant operand with `pvary` where the collective needs a
-varying one, as JAX does) and calls the backend's physical implementation,
-which records the collective and, under autograd, its transpose.
+means varying along the named axes A, "I{A}" invariant along them.  Each is
+also one `Collective` record in `COLLECTIVES`: its signature, its type rule (a
+pure function of the operand's vma and per-device shape, callable without
+running anything: `COLLECTIVES['psum'].rule(vma, shape, axes, n)`), the
+collective its transpose performs, and whether it communicates.  `TRANSPOSES`
+and `comm.COMMUNICATING` are derived from it.  The user function normalises
+the axis argument, checks shapes, lifts an invariant operand with `pvary`
+where the collective needs a varying one (as JAX does), calls the backend's
+physical implementation (which records the collective and, under autograd,
+its transpose), and types the result by the rule.
 
-`TRANSPOSES` is the one table of who transposes to whom; `tests/test_collectives.py`
-checks every collective has a rule, a backend implementation and a transpose,
-and checks each transpose pair numerically (<f(x), y> == <x, f^T(y)>).
+`tests/test_collectives.py` checks every collective has a rule, a backend
+implementation and a transpose, that each rule predicts the type and shape
+every backend produces, and each transpose pair numerically
+(<f(x), y> == <x, f^T(y)>).
 """
 from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from . import context, nesting
+from . import comm, context, nesting
 from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, fmt_axes, fmt_vma
 from .tensor import ShTensor, lift, mesh_order, unreduced_axes, vma  # noqa: F401  (re-exported)
 
-#: collective -> the collective its transpose performs (None: no communication)
-TRANSPOSES = {
-    "psum": "pvary",
-    "pvary": "psum",
-    "pmean": "pvary",
-    "all_gather": "psum_scatter",
-    "psum_scatter": "all_gather",
-    "all_gather_invariant": None,  # own-block slice
-    "ppermute": "ppermute",  # inverse permutation
-    "pshuffle": "pshuffle",  # inverse permutation
-    "all_to_all": "all_to_all",  # split/concat swapped
-    "pcast": None,  # a change of type only
-    "pmax": None,  # not linear: subgradient, no communication
-    "pmin": None,
-    "axis_index": None,
-}
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective: signature, type rule, transpose, and whether it moves data between devices."""
+
+    name: str
+    signature: str  # e.g. "V{A} -> I{A}"
+    rule: Callable  # (vma, shape, axes, n, **params) -> (vma, shape) of the result, n = devices along axes
+    transpose: str | None  # the collective its transpose performs (None: no communication)
+    logged: bool  # comm_log reports events of this kind (pmean and pshuffle report their psum / ppermute)
+
+
+#: name -> its `Collective`, in the order of the sections below
+COLLECTIVES: dict = {}
+
+
+def _collective(name, signature, transpose, logged=True):
+    """Register the decorated type rule as collective `name`'s."""
+    def register(rule):
+        COLLECTIVES[name] = Collective(name, signature, rule, transpose, logged)
+        if logged:
+            comm.register_communicating(name)
+        return rule
+    return register
 
 
 # --------------------------------------------------------------------------
@@ -142,6 +158,11 @@ def _shape_error(api, axes, body, x, rule, fix):
 # --------------------------------------------------------------------------
 # psum: V{A} -> I{A}                        transpose: pvary (no communication)
 # --------------------------------------------------------------------------
+@_collective("psum", "V{A} -> I{A}", "pvary")
+def _reduced(vma, shape, axes, n):
+    return frozenset(vma) - frozenset(axes), tuple(shape)
+
+
 def psum(x, axis_name):
     """Sum over the devices of `axis_name`; the result is invariant along it.
 
@@ -154,13 +175,16 @@ def psum(x, axis_name):
     x = _countable(x)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum(phys, x._paxes, axes, body, x.shape, not body.check_vma)
-    res = _out(out, paxes, x._vma - set(axes), body)
+    res = _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
     if x._unreduced:  # psum over an unreduced axis is that pending sum's reduction
         res._unreduced = x._unreduced - set(axes)
     return res
 
 
 # pmean: V{A} -> I{A}                        transpose: pvary, scaled
+_collective("pmean", "V{A} -> I{A}", "pvary", logged=False)(_reduced)
+
+
 def pmean(x, axis_name):
     """Mean over the devices of `axis_name` (a psum, then a division)."""
     axes = _axes("pmean", axis_name)
@@ -171,6 +195,10 @@ def pmean(x, axis_name):
 # --------------------------------------------------------------------------
 # pmax / pmin: V{A} -> I{A}                 transpose: none (not linear)
 # --------------------------------------------------------------------------
+_collective("pmax", "V{A} -> I{A}", None)(_reduced)
+_collective("pmin", "V{A} -> I{A}", None)(_reduced)
+
+
 def _pextremum(kind, x, axis_name):
     axes = _axes(kind, axis_name)
     body, x = _operand(kind, x, axes)
@@ -183,7 +211,7 @@ def _pextremum(kind, x, axis_name):
         )
     phys = _varying(x, axes, body)
     out, paxes = body.backend.pextremum(kind, phys, x._paxes, axes, body, x.shape, not body.check_vma)
-    return _out(out, paxes, x._vma - set(axes), body)
+    return _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
 
 
 def pmax(x, axis_name):
@@ -203,6 +231,11 @@ def pmin(x, axis_name):
 # --------------------------------------------------------------------------
 # pvary: I{A} -> V{A}                       transpose: psum
 # --------------------------------------------------------------------------
+@_collective("pvary", "I{A} -> V{A}", "psum", logged=False)
+def _varies(vma, shape, axes, n):
+    return frozenset(vma) | frozenset(axes), tuple(shape)
+
+
 def pvary(x, axis_name):
     """Mark `x` as varying along `axis_name` (no communication: a stride-0 view).
 
@@ -218,13 +251,18 @@ def pvary(x, axis_name):
     if not added:
         return x
     out, paxes = body.backend.pvary(x._phys, x._paxes, mesh_order(added, body), body, x.shape)
-    return _out(out, paxes, x._vma | set(axes), body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
 
 
 # --------------------------------------------------------------------------
 # pcast: V{A} -> U{A} (to='unreduced'), I{A} -> V{A} (to='varying')
 #                                           transpose: no communication
 # --------------------------------------------------------------------------
+@_collective("pcast", "V{A} -> U{A}", None, logged=False)
+def _pending(vma, shape, axes, n):
+    return frozenset(vma) - frozenset(axes), tuple(shape)  # A leaves the vma: a pending sum along A (U{A})
+
+
 def pcast(x, axis_name, *, to):
     """Change how a value relates to the devices of `axis_name` without communicating.
 
@@ -261,6 +299,25 @@ def pcast(x, axis_name, *, to):
 # all_gather: V{A} -> V{A}                  transpose: psum_scatter
 # all_gather_invariant: V{A} -> I{A}        transpose: own-block slice
 # --------------------------------------------------------------------------
+def _gathered(shape, n, axis, tiled):
+    shape = list(shape)
+    if tiled:
+        shape[axis] *= n
+    else:
+        shape.insert(axis, n)
+    return tuple(shape)
+
+
+@_collective("all_gather", "V{A} -> V{A}", "psum_scatter")
+def _gather_rule(vma, shape, axes, n, *, axis=0, tiled=False):
+    return frozenset(vma) | frozenset(axes), _gathered(shape, n, axis, tiled)
+
+
+@_collective("all_gather_invariant", "V{A} -> I{A}", None)
+def _gather_invariant_rule(vma, shape, axes, n, *, axis=0, tiled=False):
+    return frozenset(vma) - frozenset(axes), _gathered(shape, n, axis, tiled)
+
+
 def _all_gather(api, x, axis_name, axis, tiled, invariant):
     axes = _axes(api, axis_name)
     body, x = _operand(api, x, axes)
@@ -276,7 +333,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
     out, paxes = body.backend.all_gather(
         phys, x._paxes, axes, body, x.shape, axis, tiled, invariant, not body.check_vma
     )
-    return _out(out, paxes, (x._vma - set(axes)) if invariant else (x._vma | set(axes)), body)
+    return _out(out, paxes, (_reduced if invariant else _varies)(x._vma, (), axes, 0)[0], body)
 
 
 def all_gather(x, axis_name, *, axis=0, tiled=False):
@@ -296,6 +353,16 @@ def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
 # --------------------------------------------------------------------------
 # psum_scatter: V{A} -> V{A}                transpose: all_gather
 # --------------------------------------------------------------------------
+@_collective("psum_scatter", "V{A} -> V{A}", "all_gather")
+def _scatter_rule(vma, shape, axes, n, *, scatter_dimension=0, tiled=False):
+    shape = list(shape)
+    if tiled:
+        shape[scatter_dimension] //= n
+    else:
+        del shape[scatter_dimension]
+    return frozenset(vma) | frozenset(axes), tuple(shape)
+
+
 def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`.
 
@@ -313,12 +380,16 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     x = _countable(x)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
-    return _out(out, paxes, x._vma | set(axes), body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
 
 
 # --------------------------------------------------------------------------
 # ppermute: V{A} -> V{A}                    transpose: ppermute(inverse perm)
 # --------------------------------------------------------------------------
+_collective("ppermute", "V{A} -> V{A}", "ppermute")(_varies)
+_collective("pshuffle", "V{A} -> V{A}", "pshuffle", logged=False)(_varies)
+
+
 def ppermute(x, axis_name, perm):
     """Send each device's block along `(src, dst)` pairs; devices with no source get zeros."""
     api = "ppermute"
@@ -328,7 +399,7 @@ def ppermute(x, axis_name, perm):
     pairs = _check_perm(api, perm, n, axes, body)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.ppermute(phys, x._paxes, axes, body, x.shape, pairs)
-    return _out(out, paxes, x._vma | set(axes), body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
 
 
 def _check_perm(api, perm, n, axes, body):
@@ -357,6 +428,9 @@ def _check_perm(api, perm, n, axes, body):
     return pairs
 
 
+# --------------------------------------------------------------------------
+# pshuffle: V{A} -> V{A}                    transpose: pshuffle(inverse perm); a ppermute
+# --------------------------------------------------------------------------
 def pshuffle(x, axis_name, perm):
     """Device i receives the block of device `perm[i]`; `perm` must be a permutation."""
     api = "pshuffle"
@@ -375,6 +449,18 @@ def pshuffle(x, axis_name, perm):
 # --------------------------------------------------------------------------
 # all_to_all: V{A} -> V{A}                  transpose: all_to_all(concat_axis, split_axis)
 # --------------------------------------------------------------------------
+@_collective("all_to_all", "V{A} -> V{A}", "all_to_all")
+def _all_to_all_rule(vma, shape, axes, n, *, split_axis=0, concat_axis=0, tiled=False):
+    shape = list(shape)
+    if tiled:
+        shape[split_axis] //= n
+        shape[concat_axis] *= n
+    else:  # the split dimension (of size n) moves to concat_axis
+        del shape[split_axis]
+        shape.insert(concat_axis, n)
+    return frozenset(vma) | frozenset(axes), tuple(shape)
+
+
 def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     """Device d sends chunk j of `split_axis` to device j; chunks are concatenated at `concat_axis`.
 
@@ -395,19 +481,24 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     _check_split(api, axes, body, x, sa, n, tiled, f"split_axis {sa}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.all_to_all(phys, x._paxes, axes, body, x.shape, sa, ca, tiled)
-    return _out(out, paxes, x._vma | set(axes), body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
 
 
 # --------------------------------------------------------------------------
 # axis_index: -> V{A} (int64 scalar)        axis_size: -> Python int
 # --------------------------------------------------------------------------
+@_collective("axis_index", "-> V{A}", None, logged=False)
+def _index_rule(vma, shape, axes, n):
+    return frozenset(axes), ()
+
+
 def axis_index(axis_name):
     """This device's index along `axis_name` (a tuple is linearised major-to-minor)."""
     axes = _axes("axis_index", axis_name)
     body = context.body_for_axes("axis_index", axes)
     device = body.mesh.device or torch.get_default_device()
     phys, paxes = body.backend.axis_index(axes, body, device, not body.check_vma)
-    return _out(phys, paxes, set(axes), body)
+    return _out(phys, paxes, _index_rule((), (), axes, 0)[0], body)
 
 
 def axis_size(axis_name) -> int:
@@ -421,3 +512,7 @@ def describe_vma(x) -> str:
     body = x._body if isinstance(x, ShTensor) else context.current()
     order = body.axes if body is not None else None
     return fmt_vma(vma(x), order)
+
+
+#: collective -> the collective its transpose performs (None: no communication); from `COLLECTIVES`
+TRANSPOSES = {name: c.transpose for name, c in COLLECTIVES.items()}

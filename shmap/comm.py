@@ -14,11 +14,14 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-#: Kinds that move data between devices (what `count()` counts).
-COMMUNICATING = frozenset(
-    {"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_scatter", "ppermute", "all_to_all",
-     "kernel"}
-)
+#: Kinds that move data between devices (what `count()` counts): each collective of
+#: `collectives.COLLECTIVES` that reports its own events, and "kernel" (`kernels.bridge.call`).
+COMMUNICATING: set = {"kernel"}
+
+
+def register_communicating(kind: str):
+    """Count events of `kind` as communication (collectives.py registers its collectives)."""
+    COMMUNICATING.add(kind)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,68 @@ Consequences:
 - The body is Python run at trace time: Python control flow on values is
   already an error in bodies (`VaryingControlFlowError`), and prints run once
   per compilation, not per call.
-
 - Sizes may be symbolic (Dynamo's automatic dynamic shapes after a
   recompile); a collective's `comm_log` event needs concrete bytes, so the
   sizes it reports are specialised (guarded) in the graph.
-- The distributed mesh does not compile yet: its collectives are c10d calls
-  under a watchdog, which AOT autograd cannot trace; `check_mesh` says so
-  instead of failing deep inside tracing.  (The route: trace them as
-  `torch.distributed._functional_collectives`, which have fake kernels.)
+
+**The distributed mesh** (one process per device) compiles too.  While a
+graph is captured, each raw collective of `backends/transports.py` hands over
+to its twin in `backends/traced.py`, which emits torch's functional
+collectives (`_c10d_functional.all_reduce`, `all_gather_into_tensor`,
+`reduce_scatter_tensor`, `all_to_all_single` (ppermute too: its splits are
+the permutation), then `wait_tensor`): they have fake kernels and Inductor
+lowerings, so the compiled forward and backward graphs contain the
+communication.  Results equal eager bit for bit (same wire dtypes, buffers and
+rank-order permutations); values computed around them are Inductor's.
+Arguments may be plain tensors (global values every rank holds) or DTensors
+laid out as the in_specs; outputs are DTensors, as eagerly.  Take gradients
+with `torch.autograd.grad` or `.backward()` (`torch.func` transforms do not
+run the distributed backend's autograd Functions); `fullgraph=True` with
+`torch.autograd.grad` inside needs `torch._dynamo.config.trace_autograd_ops`.
+What a compiled call checks, at run time, on every call:
+
+- *Signatures*: each collective is counted by the process's guard (the same
+  counter eager collectives use, so compiled and eager calls interleave), and
+  carries the same signature as eagerly: folded into its payload in the
+  default mode (the trailer of `signatures.Seal`, written by the effectful op
+  `shmap::coll_begin` and checked by `shmap::coll_wait`), or exchanged over
+  the guard's own group before the data moves (strict mode, NCCL, large moved
+  payloads).  A mismatch raises `CollectiveMismatchError` on every rank, as
+  eagerly; the end of each body is counted (strict: exchanged) by
+  `shmap::body_end`.
+- *Watched waits*: `shmap::coll_wait` waits for the functional collective on
+  the guard's helper thread while it polls the store, so a failed or exited
+  rank raises `RankFailedError` and a rank that never arrives raises
+  `CollectiveTimeoutError` (`configure_distributed(timeout=...)`), naming
+  the ranks, as eagerly.  The graph's own `wait_tensor` then returns at once.
+- `comm_log` records the same events per call as eagerly, in order
+  (`shmap::coll_record`).
+
+Where this differs from eager (weaker, or slower):
+
+- The guard's options (`check_collectives`, the shared-memory transport)
+  are read when the graph is traced, not at each call: recompile after
+  `configure_distributed`.
+- The shared-memory transport is not used; gloo moves the data (with 3 or
+  more ranks a floating sum may then differ in the last bit from an eager
+  run on shared memory, not from an eager run on gloo).
+- A payload without a signature (strict mode, NCCL, an all_gather,
+  all_to_all, ppermute or psum_scatter payload over 256 KiB) is checked by
+  an exchange that completes before the data moves; eagerly, the default
+  mode runs that exchange alongside the data.
+- A backward pass's reductions are not deferred or bucketed
+  (`backends/deferred.py`): each completes where the graph reaches it.
+- A process group for a new axis tuple is created while tracing, before
+  any signature check (eagerly: after the first one); the groups of meshes
+  of up to 3 axes exist from `make_mesh` on anyway.
+- Error messages locate a rank in the compiled function's generated code,
+  not in the user's file.
+
+On a distributed mesh a shard_mapped call passes its `DeviceMesh` to the
+node (`run(..., device_mesh=...)`): AOT autograd flattens a DTensor into its
+local tensor and its (opaque) mesh, and the mesh of a DTensor *output* must
+be a graph input, or the partitioner takes it for the output's tangent
+("Node tangents_2 was invalid, but is output").
 
 Registering a function with Dynamo needs `torch._dynamo`, whose import takes
 seconds; shmap does not import it.  Functions created before it is imported
@@ -105,16 +159,3 @@ def _install_hook():
     if not _HOOKED:
         sys.meta_path.insert(0, _DynamoImportHook())
         _HOOKED = True
-
-
-def check_mesh(mesh):
-    """A clear error for a distributed mesh reached by torch.compile's tracing."""
-    import torch
-
-    if getattr(mesh, "is_distributed", False) and (
-            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
-        raise NotImplementedError(
-            f"torch.compile of a shard_map on the distributed mesh {mesh.describe()} is not supported yet: "
-            "its collectives are torch.distributed calls that compilation cannot trace. Fix: compile the "
-            "code around the shard_mapped call (torch.compiler.disable it), or run it on a simulated mesh."
-        )

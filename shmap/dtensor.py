@@ -44,6 +44,10 @@ def placements(mesh: Mesh, spec: PartitionSpec) -> tuple:
     product of the sizes of those axes.  Axes the spec lists as `unreduced`
     (a pending sum) are `Partial()`.
     """
+    key = (id(mesh), spec)
+    got = _PLACEMENTS.get(key)
+    if got is not None and got[0] is mesh:
+        return got[1]
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     pos = {a: k for k, a in enumerate(mesh.axis_names)}
@@ -53,7 +57,14 @@ def placements(mesh: Mesh, spec: PartitionSpec) -> tuple:
         for t, a in enumerate(axes):
             sf = math.prod(mesh.shape[b] for b in axes[:t] if pos[b] > pos[a])
             out[pos[a]] = Shard(d) if sf == 1 else _strided(d, sf)
+    if len(_PLACEMENTS) >= 4096:
+        _PLACEMENTS.clear()
+    _PLACEMENTS[key] = (mesh, tuple(out))
     return tuple(out)
+
+
+#: (id(mesh), spec) -> (mesh, placements): each boundary crossing asks again
+_PLACEMENTS: dict = {}
 
 
 def _strided(dim, split_factor):
@@ -128,15 +139,40 @@ def local_block(x, mesh: Mesh, spec: PartitionSpec):
 
 
 def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
-    """A DTensor placed by `spec` whose local tensor is `block` (differentiable, no data movement)."""
+    """A DTensor placed by `spec` whose local tensor is `block` (differentiable, no data movement).
+
+    Without autograd (an optimizer step's outputs, say) the DTensor is built
+    directly on a cached spec: `DTensor.from_local` costs an autograd Function
+    and a new spec per call, which dominates a step over many small tensors.
+    """
     from torch.distributed.tensor import DTensor
 
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
     shape = global_shape(logical_shape, mesh, spec)
+    if not (torch.is_grad_enabled() and block.requires_grad):
+        return DTensor(block.view_as(block), _dtensor_spec(mesh, spec, shape, block.dtype), requires_grad=False)
     return DTensor.from_local(
         block, mesh.device_mesh, placements(mesh, spec), run_check=False,
         shape=torch.Size(shape), stride=_contiguous_stride(shape),
     )
+
+
+#: (id(mesh), spec, global shape, dtype) -> (mesh, DTensorSpec): the specs `from_block` builds on
+_SPECS: dict = {}
+
+
+def _dtensor_spec(mesh: Mesh, spec: PartitionSpec, shape, dtype):
+    key = (id(mesh), spec, shape, dtype)
+    got = _SPECS.get(key)
+    if got is None or got[0] is not mesh:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
+        got = (mesh, DTensorSpec(mesh.device_mesh, placements(mesh, spec), tensor_meta=meta))
+        if len(_SPECS) >= 4096:
+            _SPECS.clear()
+        _SPECS[key] = got
+    return got[1]
 
 
 # --------------------------------------------------------------------------

@@ -110,3 +110,23 @@ def inplace_input(op: str, who: str, mesh) -> InPlaceInputError:
         "updated in place. Fix: compute out of place, e.g. `x = x + y` instead of `x += y` / `x.add_(y)`, "
         "or copy first (`x = x.clone()`) and update the copy."
     )
+
+
+def op_name(func) -> str:
+    """How messages name a torch op: `torch.exp`, `Tensor.add`, `Tensor.T`, `torch.nn.functional.linear`."""
+    owner = getattr(func, "__self__", None)
+    if type(func).__name__ == "method-wrapper" and hasattr(owner, "__objclass__"):  # a property's getter
+        return f"Tensor.{owner.__name__}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if name.startswith("_VariableFunctionsClass."):
+        return f"torch.{func.__name__}"
+    if name.startswith("TensorBase."):
+        return "Tensor." + name[len("TensorBase."):]
+    mod = getattr(func, "__module__", "") or ""
+    if name.startswith("linalg_") and mod.startswith("torch"):
+        return "torch.linalg." + name[len("linalg_"):]
+    if mod == "torch._C._nn" or mod == "torch.nn.functional":
+        return f"torch.nn.functional.{func.__name__}"
+    if mod.startswith("torch") and not name.startswith("Tensor") and "." not in name:
+        return f"torch.{name}"
+    return name

@@ -19,7 +19,7 @@ import torch
 
 from . import context, nesting
 from .backends import for_mesh
-from .compile import check_mesh as check_compilable, register as register_for_compile
+from .compile import register as register_for_compile
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
 from .tensor import ShTensor, storage_key
@@ -67,13 +67,13 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
                 "describe positional arguments only. Fix: pass them positionally, or bind static ones "
                 "with functools.partial before shard_map."
             )
+        if mesh.is_distributed:  # torch.compile: the DeviceMesh is an input of the graph (compile.py)
+            return run(*args, device_mesh=mesh.device_mesh)
         return run(*args)
 
     # torch.compile: Dynamo traces `mapped` (also when it is the compiled function itself) and
     # puts `run` in its graph as one node, which AOT autograd traces through (see compile.py).
-    def run(*args):
-        if mesh.is_distributed:
-            check_compilable(mesh)
+    def run(*args, device_mesh=None):
         return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args,
                      default_axes=axis_names is None)
 
@@ -506,6 +506,8 @@ def _suggest_spec(spec, extra, rank):
 
 
 def _is_dtensor(x) -> bool:
+    if type(x) is torch.Tensor:  # the common case, without the import
+        return False
     from .dtensor import is_dtensor
 
     return is_dtensor(x)

@@ -28,14 +28,9 @@ import itertools
 
 import optree
 import torch
-from torch._C._functorch import (
-    _add_batch_dim,
-    _remove_batch_dim,
-    _vmap_decrement_nesting,
-    _vmap_increment_nesting,
-)
 
 from . import batching, comm, context, ops, unreduced
+from .batching import fname as _fname
 from .errors import VmaError, fmt_vma, inplace_input, varying_control_flow
 
 
@@ -51,6 +46,15 @@ class LogComm(torch.autograd.Function):
     """
 
     generate_vmap_rule = True  # torch.func transforms of a shard_mapped function (from outside)
+
+    @classmethod
+    def apply(cls, *args):
+        # Function.apply binds the arguments of a Function with setup_context to forward's
+        # signature (inspect.signature, ~70 us) on every call, to fill in defaults; there are none
+        # here and every call passes all three. Under a torch.func transform the full path runs.
+        if torch._C._are_functorch_transforms_active():
+            return _FUNCTION_APPLY(cls, *args)
+        return _C_APPLY.__get__(None, cls)(*args)
 
     @staticmethod
     def forward(x, fwd, bwd):
@@ -75,6 +79,10 @@ class LogComm(torch.autograd.Function):
         fwd, bwd = ctx.events
         # Without create_graph this only records (no node is built).
         return log_comm(g, bwd, fwd), None, None
+
+
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
 def log_comm(phys, fwd, bwd):
@@ -149,6 +157,13 @@ class ShTensor(torch.Tensor):
         special = _SPECIAL.get(func)
         if special is not None:
             return special(func, args, kwargs)
+        fast = _FAST.get(func)
+        if fast is None:
+            fast = _fast(func)
+        if fast:
+            out = _same_type_elementwise(func, args, kwargs)
+            if out is not None:
+                return out
         return _dispatch(func, args, kwargs)
 
 
@@ -207,7 +222,7 @@ def _lift_phys(phys, logical_shape, added, body):
 
 
 # --------------------------------------------------------------------------
-# Batched execution
+# Dispatch: typing, automatic pvary, execution (batching.py), wrapping
 # --------------------------------------------------------------------------
 _INPLACE_DUNDERS = frozenset(
     "__iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ __ior__ "
@@ -230,30 +245,13 @@ def _is_inplace(func) -> bool:
     return got
 
 
-_CONTAINERS = (list, tuple, dict)
-
-
-def _flatten(args, kwargs):
-    """Leaves of (args, kwargs); the common flat call skips the pytree machinery."""
-    if not kwargs:
-        for a in args:
-            if isinstance(a, _CONTAINERS):
-                break
-        else:
-            return list(args), None
-    return optree.tree_flatten((args, kwargs), none_is_leaf=True)
-
-
-def _unflatten(treedef, leaves):
-    if treedef is None:
-        return leaves, {}
-    return optree.tree_unflatten(treedef, leaves)
+_EMPTY = frozenset()
 
 
 def _dispatch(func, args, kwargs):
-    leaves, treedef = _flatten(args, kwargs)
+    leaves, treedef = batching.flatten(args, kwargs)
     body = None
-    union = frozenset()
+    union = _EMPTY
     tensor_idx = []
     pending = False
     for k, leaf in enumerate(leaves):
@@ -267,9 +265,12 @@ def _dispatch(func, args, kwargs):
                     context.used_in_backward(b)
                 else:
                     body = _join_bodies(func, body, b)
-            union = union | leaf._vma
+            v = leaf._vma
+            if v is not union and v:
+                union = union | v if union else v
             tensor_idx.append(k)
-            pending = pending or bool(leaf._unreduced)
+            if leaf._unreduced:
+                pending = True
         elif isinstance(leaf, torch.Tensor):
             tensor_idx.append(k)
             if torch._C._len_torch_dispatch_stack() and type(leaf) is torch.Tensor:
@@ -293,7 +294,7 @@ def _dispatch(func, args, kwargs):
             f"{_fname(func)}: got shard_map body values inside an argument structure shmap cannot "
             "traverse. Fix: pass tensors directly or in lists, tuples or dicts."
         )
-    out_unreduced = frozenset()
+    out_unreduced = _EMPTY
     if pending:
         # Adding 0 keeps a sum pending (so `sum(...)` and `total = 0` work); other numbers do not.
         has_number = any(isinstance(v, (int, float, complex)) and not isinstance(v, bool) and v != 0
@@ -304,28 +305,75 @@ def _dispatch(func, args, kwargs):
     for k in tensor_idx:
         leaf = leaves[k]
         if isinstance(leaf, ShTensor):
-            phys = leaf._phys if (inplace and leaf is self_val) or leaf._vma == union else lift(leaf, union, body)
-            leaves[k] = phys
+            v = leaf._vma
+            leaves[k] = leaf._phys if v is union or v == union or (inplace and leaf is self_val) else lift(
+                leaf, union, body)
             if leaf._paxes:
                 batched.append((k, leaf._paxes))
         elif union and not (inplace and leaf is self_val):
             leaves[k] = lift(leaf, union, body)
 
-    direct = batching.DIRECT.get(func) if batched and not inplace else None
-    if direct is not None and direct[0](*_unflatten(treedef, leaves), batched, out_paxes):
-        args, kwargs = _unflatten(treedef, leaves)
-        out = direct[1](batched, out_paxes, *args, **kwargs)  # a hand-written form over the device dims
-    elif batched and not inplace and batching.direct_ok(func, leaves, batched, out_paxes):
-        args, kwargs = _unflatten(treedef, leaves)
-        out = func(*args, **kwargs)  # device dims broadcast like ordinary leading dims: no vmap needed
+    if not batched or inplace:
+        out = batching.run_batched(func, leaves, treedef, batched, out_paxes, body)
     else:
-        out = _run_batched(func, leaves, treedef, batched, out_paxes, body)
+        direct = batching.DIRECT.get(func)
+        if direct is not None and direct[0](*batching.unflatten(treedef, leaves), batched, out_paxes):
+            args, kwargs = batching.unflatten(treedef, leaves)
+            out = direct[1](batched, out_paxes, *args, **kwargs)  # a hand-written form over the device dims
+        elif batching.direct_ok(func, leaves, batched, out_paxes):
+            args, kwargs = batching.unflatten(treedef, leaves)
+            out = func(*args, **kwargs)  # device dims broadcast like ordinary leading dims: no vmap needed
+        else:
+            out = batching.run_batched(func, leaves, treedef, batched, out_paxes, body)
 
     if inplace:
         if isinstance(self_val, ShTensor):
             self_val._lifts = None
         return self_val
+    if type(out) is torch.Tensor:
+        return ShTensor(out, out_paxes, union, body, out_unreduced)
     return _wrap_out(out, out_paxes, union, body, out_unreduced)
+
+
+_FAST: dict = {}
+
+
+def _fast(func) -> bool:
+    """Whether `func` may take `_same_type_elementwise`: an elementwise op, not in place."""
+    ok = getattr(func, "__name__", "") in batching.POINTWISE and not _is_inplace(func)
+    try:
+        _FAST[func] = ok
+    except TypeError:  # unhashable callable
+        pass
+    return ok
+_NUMBER = (int, float, complex)
+
+
+def _same_type_elementwise(func, args, kwargs):
+    """The common case of `_dispatch`, or None: an elementwise op whose tensor operands are values
+    of one running body with one type (vma) and one rank, beside plain numbers. `_dispatch` would
+    lift nothing and find the op direct (`batching.direct_ok`: same device dims, same rank), so
+    it runs on the physical tensors as they are; this skips the general bookkeeping."""
+    first = None
+    for a in args:
+        if type(a) is ShTensor:
+            if first is None:
+                first = a
+            elif a._body is not first._body or a._vma != first._vma or a._phys.dim() != first._phys.dim():
+                return None
+            if a._unreduced:
+                return None
+        elif not isinstance(a, _NUMBER):
+            return None
+    if first is None or not first._body.active:
+        return None
+    for v in kwargs.values():
+        if not isinstance(v, _NUMBER):
+            return None
+    out = func(*[a._phys if type(a) is ShTensor else a for a in args], **kwargs)
+    if type(out) is not torch.Tensor:
+        return _wrap_out(out, first._paxes, first._vma, first._body)
+    return ShTensor(out, first._paxes, first._vma, first._body)
 
 
 def _join_bodies(func, body, b):
@@ -368,84 +416,6 @@ def _bad_body(func, body, b):
         f"(meshes {body.describe()} and {b.describe()}). Fix: pass values into the inner "
         "shard_map as arguments instead of closing over the outer body's values."
     )
-
-
-def _level_plan(out_paxes, batched):
-    """Nesting order of the vmap levels and, per level, where each batch dim sits.
-
-    Functorch applies the innermost level's batching rule first.  An axis along
-    which some operand is invariant must be innermost, so its rule sees an
-    unbatched operand and folds the batch into one big op (`[n*m, k] @ [k, n]`)
-    instead of broadcasting that operand to every device before a `bmm`.
-    Returns (levels, adds, removes): `levels` outer-to-inner axis order;
-    `adds[l]` the (operand, batch dim) pairs to add at level l; `removes[l]` the
-    output dim to restore level l's axis at (inner levels first), so outputs
-    come back in mesh order.
-    """
-    key = (out_paxes, tuple(p for _, p in batched))
-    got = _PLANS.get(key)
-    if got is not None:
-        return got
-    count = {a: sum(a in p for _, p in batched) for a in out_paxes}
-    levels = sorted(out_paxes, key=lambda a: (-count[a], out_paxes.index(a)))
-    adds = []
-    for li, a in enumerate(levels):
-        done = set(levels[:li])
-        adds.append([
-            (j, sum(1 for b in p if b not in done and p.index(b) < p.index(a)))
-            for j, (_, p) in enumerate(batched) if a in p
-        ])
-    removes = []
-    for li in reversed(range(len(levels))):
-        a = levels[li]
-        inner = set(levels[li + 1:])
-        removes.append(sum(1 for b in out_paxes if b in inner and out_paxes.index(b) < out_paxes.index(a)))
-    got = (tuple(levels), adds, removes)
-    if len(_PLANS) < 4096:
-        _PLANS[key] = got
-    return got
-
-
-_PLANS: dict = {}
-
-
-def _run_batched(func, leaves, treedef, batched, out_paxes, body):
-    if not out_paxes:
-        args, kwargs = _unflatten(treedef, leaves)
-        return func(*args, **kwargs)
-    sizes = body.sizes
-    order, adds, removes = _level_plan(out_paxes, batched)
-    levels = []
-    try:
-        for ax, add in zip(order, adds):
-            n = sizes[ax]
-            lvl = _vmap_increment_nesting(n, "different")
-            levels.append((lvl, n))
-            for j, bdim in add:
-                k = batched[j][0]
-                leaves[k] = _add_batch_dim(leaves[k], bdim, lvl)
-        args, kwargs = _unflatten(treedef, leaves)
-        try:
-            out = batching.run(func, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
-            if hasattr(e, "add_note"):
-                e.add_note(
-                    f"(shmap: raised while running {_fname(func)} batched over the devices of mesh "
-                    f"{body.describe()}; per-device shapes are the logical ones.)"
-                )
-            raise
-        single = isinstance(out, torch.Tensor)
-        out_leaves, out_def = ([out], None) if single else optree.tree_flatten(out, none_is_leaf=True)
-        for out_dim in removes:
-            lvl, n = levels.pop()
-            out_leaves = [
-                _remove_batch_dim(o, lvl, n, out_dim) if isinstance(o, torch.Tensor) else o for o in out_leaves
-            ]
-            _vmap_decrement_nesting()
-        return out_leaves[0] if single else optree.tree_unflatten(out_def, out_leaves)
-    finally:
-        for _ in levels:
-            _vmap_decrement_nesting()
 
 
 def _wrap_out(out, paxes, vma_, body, unreduced_=frozenset()):
@@ -508,14 +478,6 @@ def _make_writable(x: ShTensor):
     st = x._phys.stride()
     if any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k)):
         x._phys = x._phys.clone()
-
-
-def _fname(func) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    mod = getattr(func, "__module__", "") or ""
-    if mod.startswith("torch") and not name.startswith("Tensor"):
-        return f"torch.{name}" if "." not in name else name
-    return name
 
 
 # --------------------------------------------------------------------------

@@ -16,45 +16,53 @@ Anything else raises, naming the op and the fix (`psum` first).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
-from .errors import VmaError, fmt_vma
+from .errors import VmaError, fmt_vma, op_name
 
 _T = torch.Tensor
 
 
-def _names(*objs):
+#: where an op named in the tables below may live
+_OWNERS = (torch, torch.Tensor, F, torch.linalg)
+
+
+def _ops(*groups) -> frozenset:
+    """The torch callables named in `groups`, as `__torch_function__` receives them: functions,
+    Tensor methods, and the getters of Tensor properties (`x.T`).  Keyed by the callables, not
+    their names, so an unrelated function that happens to share a name is not taken for one."""
     out = set()
-    for o in objs:
-        for n in o.split():
-            out.add(n)
+    for g in groups:
+        for n in g.split():
+            for owner in _OWNERS:
+                obj = inspect.getattr_static(owner, n, None) if owner is torch.Tensor else getattr(owner, n, None)
+                if obj is None:
+                    continue
+                out.add(obj.__get__ if hasattr(obj, "__get__") and not callable(obj) else obj)
     return frozenset(out)
 
 
 #: linear in their single tensor argument (other arguments are not tensors)
-UNARY = _names(
+UNARY = _ops(
     "view view_as reshape reshape_as transpose permute t flatten unflatten squeeze unsqueeze expand expand_as",
     "__getitem__ narrow select split chunk unbind movedim moveaxis swapaxes flip roll repeat tile diagonal",
     "tril triu sum mean neg __neg__ negative clone contiguous to float double half bfloat16 type cumsum",
     "T mT H real detach __pos__ positive",
 )
 #: sums of values pending along the same axes
-ADDITIVE = _names("add sub subtract __add__ __sub__ __radd__ __rsub__ __iadd__ __isub__ add_ sub_ cat concat stack")
+ADDITIVE = _ops("add sub subtract __add__ __sub__ __radd__ __rsub__ __iadd__ __isub__ add_ sub_ cat concat stack")
 #: bilinear: exactly one pending operand, the others invariant along its axes
-PRODUCT = _names(
+PRODUCT = _ops(
     "mul multiply __mul__ __rmul__ __imul__ mul_ matmul __matmul__ __rmatmul__ mm bmm einsum linear",
     "div divide true_divide __truediv__ __itruediv__ div_ tensordot inner outer dot vdot",
 )
 #: for these, only the first tensor argument may be the pending one
-NUMERATOR_ONLY = _names("div divide true_divide __truediv__ __itruediv__ div_")
-
-
-def _fname(func):
-    return getattr(func, "__name__", None) or repr(func)
-
-
-_SUMS = _names("add sub subtract __add__ __sub__ __radd__ __rsub__ __iadd__ __isub__ add_ sub_")
+NUMERATOR_ONLY = _ops("div divide true_divide __truediv__ __itruediv__ div_")
+#: sums: adding a Python number (other than 0) to a pending value would add it once per device
+_SUMS = _ops("add sub subtract __add__ __sub__ __radd__ __rsub__ __iadd__ __isub__ add_ sub_")
 
 
 def check(func, operands, body, has_number=False) -> frozenset:
@@ -67,9 +75,7 @@ def check(func, operands, body, has_number=False) -> frozenset:
     axes = frozenset().union(*pending)
     if not axes:
         return axes
-    name = _fname(func)
-    if func is F.linear:
-        name = "linear"
+    name = op_name(func)
     order = body.axes
     if any(p and p != axes for p in pending):
         raise VmaError(
@@ -77,22 +83,22 @@ def check(func, operands, body, has_number=False) -> frozenset:
             "their pending sums cannot be combined. Fix: psum each over its axes first."
         )
     n_pending = sum(1 for p in pending if p)
-    if name in UNARY and n_pending == 1 and not any(
+    if func in UNARY and n_pending == 1 and not any(
         getattr(o, "_vma", frozenset()) & axes for o, p in zip(operands, pending) if not p
     ):
         return axes  # e.g. indexing by an index tensor that is the same on every device of the axes
-    if name in ADDITIVE and all(pending) and not (has_number and name in _SUMS):
+    if func in ADDITIVE and all(pending) and not (has_number and func in _SUMS):
         return axes
-    if name in PRODUCT and n_pending == 1:
+    if func in PRODUCT and n_pending == 1:
         k = next(i for i, p in enumerate(pending) if p)
         others = [o for i, o in enumerate(operands) if i != k]
         varying_others = [o for o in others if getattr(o, "_vma", frozenset()) & axes]
-        if name in NUMERATOR_ONLY and k != 0:
+        if func in NUMERATOR_ONLY and k != 0:
             raise VmaError(
                 f"{name}: dividing by a value unreduced along {fmt_vma(axes, order)} is not linear in the "
                 "pending sum. Fix: psum the divisor first."
             )
-        if name == "linear" and len(operands) > 2:
+        if func is F.linear and len(operands) > 2:
             raise VmaError(
                 f"linear with a bias on a value unreduced along {fmt_vma(axes, order)} would add the bias once per "
                 "device. Fix: use bias=None and add the bias after psum."
@@ -107,7 +113,7 @@ def check(func, operands, body, has_number=False) -> frozenset:
     raise VmaError(
         f"{name}: got a value unreduced along {fmt_vma(axes, order)} (a pending sum over those devices); "
         f"{name} does not commute with that sum"
-        + (" (adding a value that is not pending would add it once per device)" if name in ADDITIVE else "")
+        + (" (adding a value that is not pending would add it once per device)" if func in ADDITIVE else "")
         + f". Fix: reduce it first, e.g. `shmap.psum(x, {_lit(axes, order)})`."
     )
 

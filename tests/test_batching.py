@@ -67,18 +67,19 @@ def test_direct_path_matches_a_per_device_loop(case, monkeypatch):
         "gelu": ((a_mat,), (P("i"),), lambda x: F.gelu(x, approximate="tanh")),
     }
     args, specs, fn = cases[case]
-    decisions = []
-    original = shmap.batching.direct_ok
-    monkeypatch.setattr(shmap.batching, "direct_ok", lambda *a: decisions.append(original(*a)) or decisions[-1])
-    out = shmap.shard_map(lambda *v: fn(*v)[None], mesh=mesh, in_specs=specs, out_specs=P("i"))(*args)
+    batched = []
+    original = shmap.batching.run_batched
+    monkeypatch.setattr(shmap.batching, "run_batched", lambda func, leaves, treedef, b, out_paxes, body: (
+        batched.append(func) if out_paxes else None) or original(func, leaves, treedef, b, out_paxes, body))
+    out = shmap.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("i"))(*args)
     per_dev = []
     for d in range(n):
         blk = [a.chunk(n)[d] if s == P("i") else a for a, s in zip(args, specs)]
-        per_dev.append(fn(*blk)[None])
+        per_dev.append(fn(*blk))
     torch.testing.assert_close(out, torch.cat(per_dev))
-    # The first op decides: misaligning ranks (a vector plus a matrix, a varying vector on the right)
-    # must not run directly; the aligned cases must.
-    assert decisions[0] == (case not in ("vec+mat",)), decisions
+    # Misaligning ranks (a vector plus a matrix) must run batched over the devices (vmap); the
+    # aligned cases straight on the physical tensors.
+    assert bool(batched) == (case == "vec+mat"), batched
 
 
 # Batched matmuls whose per-device batch size equals the device count: a direct
@@ -141,3 +142,62 @@ def test_projection_of_operands_varying_along_different_axes(form, xs, ws, outs)
     # the automatic pvary's transposes: a psum for each operand along the axes the other varies along
     expect = int(bool(set(str(ws)) & {"T", "F"} - set(str(xs)))) + int(bool(set(str(xs)) & {"T", "F"} - set(str(ws))))
     assert log.count("psum") == expect
+
+
+# Reductions and dtype conversions run straight on the physical tensor over the per-device dims
+# (no vmap): the same values, bit for bit, as the batched path, for every way of naming the dims.
+@pytest.mark.parametrize("call", [
+    lambda x: x.sum(), lambda x: x.mean(), lambda x: x.sum(-1), lambda x: x.sum(0, keepdim=True),
+    lambda x: x.mean((0, -1)), lambda x: torch.sum(x, dim=[1], keepdim=True), lambda x: x.sum(dim=()),
+    lambda x: torch.mean(x, -2, True), lambda x: x.sum(1, dtype=torch.float64), lambda x: x.to(torch.float64),
+    lambda x: x.to(dtype=torch.float16).float(),
+], ids=["sum()", "mean()", "sum(-1)", "sum(0,keepdim)", "mean((0,-1))", "sum(dim=[1],keepdim)", "sum(dim=())",
+        "mean(-2,True)", "sum(1,dtype)", "to(f64)", "to(dtype=f16)"])
+def test_reductions_and_conversions_run_direct_with_the_batched_values(call, monkeypatch):
+    mesh = shmap.make_mesh((2, 2), ("a", "b"))
+    x = torch.randn(4, 6, 5, requires_grad=True)
+    f = shmap.shard_map(lambda v: call(v)[None], mesh=mesh, in_specs=(P(("a", "b")),), out_specs=P(("a", "b")))
+    batched = []
+    original = shmap.batching.run_batched
+    monkeypatch.setattr(shmap.batching, "run_batched", lambda func, *a: batched.append(func) or original(func, *a))
+    out = f(x)
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    assert not [fn for fn in batched if fn.__name__ in ("sum", "mean", "to")], batched
+    monkeypatch.setattr(shmap.batching, "DIRECT", {})
+    monkeypatch.setattr(shmap.batching, "direct_ok", lambda *a: False)
+    expect = f(x)
+    (ge,) = torch.autograd.grad(expect.square().sum(), x)
+    assert torch.equal(out, expect) and torch.equal(g, ge)
+    torch.testing.assert_close(out, torch.cat([call(b)[None] for b in x.chunk(4)]))
+
+
+def test_a_reduction_out_of_range_takes_the_batched_path_and_its_message():
+    with pytest.raises(IndexError, match=r"range of \[-2, 1\]"):
+        shmap.shard_map(lambda v: v.sum(2), mesh=MESH, in_specs=(P("i"),), out_specs=P("i"))(torch.randn(8, 3))
+
+
+def test_attention_on_q_k_v_sliced_from_one_projection_folds_the_batch_into_the_heads(monkeypatch):
+    """q, k, v from `qkv.unbind(0)` cannot merge the device dims with the batch without a copy; the
+    batch folds into the heads as a view instead, with the same bits (values and gradients)."""
+    mesh = shmap.make_mesh((2, 2), ("F", "T"))
+    torch.manual_seed(3)
+    x = torch.randn(4, 8, 16, dtype=torch.float64, requires_grad=True)          # (b, s, d), split over F
+    w = torch.randn(3, 16, 4, 8, dtype=torch.float64, requires_grad=True)       # (t, d, heads, k), over T
+
+    def body(x, w):
+        q, k, v = torch.einsum("bsd,tdhk->tbhsk", x, w).unbind(0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(P("F"), P(None, None, "T")), out_specs=P("F", "T"))
+    copies = []
+    original = shmap.batching._sdpa_4d
+    monkeypatch.setattr(shmap.batching, "_sdpa_4d", lambda qkv: copies.append(
+        [r._base is None for r in original(qkv)]) or original(qkv))
+    out = f(x, w)
+    got = (out, *torch.autograd.grad(out.sin().sum(), (x, w)))
+    assert copies == [[False, False, False]]  # views of the projection
+    monkeypatch.setattr(shmap.batching, "_sdpa_4d", lambda qkv: [t.reshape((-1,) + t.shape[-3:]) for t in qkv])
+    out = f(x, w)
+    expect = (out, *torch.autograd.grad(out.sin().sum(), (x, w)))
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)

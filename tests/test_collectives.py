@@ -268,3 +268,34 @@ def test_collectives_on_mixed_meshes_are_batched_over_other_axes():
     out = sm(lambda v: shmap.psum(v, "j"), MESH42, P("i", "j"), P("i"))(x)
     expect = torch.cat([x[2 * r:2 * r + 2, :3] + x[2 * r:2 * r + 2, 3:] for r in range(4)])
     torch.testing.assert_close(out, expect)
+
+
+# --------------------------------------------------------------------------
+# One record per collective: rules callable without running, derived tables
+# --------------------------------------------------------------------------
+def test_every_rule_predicts_the_simulated_result():
+    from rule_cases import CASES, rule_mismatches
+
+    from shmap.collectives import COLLECTIVES
+
+    assert {c[0] for c in CASES} == set(COLLECTIVES), "a collective without a rule case"
+    assert rule_mismatches(shmap.make_mesh((2, 2), ("i", "j"))) == []
+
+
+def test_tables_and_banners_derive_from_the_records():
+    import inspect
+
+    from shmap import collectives, comm
+
+    recs = collectives.COLLECTIVES
+    assert TRANSPOSES == {n: c.transpose for n, c in recs.items()}
+    assert {n for n, c in recs.items() if c.logged} <= comm.COMMUNICATING
+    assert "pvary" not in comm.COMMUNICATING and "pmean" not in comm.COMMUNICATING
+    src = inspect.getsource(collectives)
+    for name, c in recs.items():  # each section's banner states the record's signature
+        assert f"# {name}: {c.signature}" in src or any(
+            f"# {name} / " in line or f" / {name}: {c.signature}" in line for line in src.splitlines()
+        ), f"no banner '# {name}: {c.signature}' in collectives.py"
+    # a rule runs on types alone: no body, no tensors
+    assert recs["psum_scatter"].rule(frozenset({"i"}), (8, 3), ("j",), 4, scatter_dimension=0, tiled=True) == (
+        frozenset({"i", "j"}), (2, 3))

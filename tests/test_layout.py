@@ -133,3 +133,21 @@ def test_import_graph_sees_the_core_edges():
 def test_no_import_cycle_at_import_time():
     cycle = _find_cycle(import_graph())
     assert cycle is None, "import cycle at import time: " + " -> ".join(cycle)
+
+
+def test_the_core_does_not_import_the_kernel_package():
+    """Transports plug in (`backends.config.register_transport`); only the package root re-exports
+    `shmap.kernels`, whose modules may import the core, not the other way round."""
+    offenders = []
+    for p in sorted(PKG.glob("*.py")) + sorted((PKG / "backends").glob("*.py")):
+        if p.name == "__init__.py" and p.parent == PKG:
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):  # anywhere, function bodies included
+            if isinstance(n, ast.ImportFrom):
+                mod = ("." * n.level) + (n.module or "")
+                names = [a.name for a in n.names]
+                if "kernels" in mod.split(".") or (mod.strip(".") == "" and "kernels" in names):
+                    offenders.append(f"{p.relative_to(ROOT)}:{n.lineno}")
+            elif isinstance(n, ast.Import) and any(a.name.startswith("shmap.kernels") for a in n.names):
+                offenders.append(f"{p.relative_to(ROOT)}:{n.lineno}")
+    assert not offenders, f"core modules import shmap.kernels: {offenders}"

@@ -200,3 +200,32 @@ def test_mixed_variance_operands_on_three_axes_match_a_per_device_loop():
                 cols.append(xb @ yb + z * ic)
             rows.append(torch.cat(cols, 1))
     torch.testing.assert_close(out, torch.cat(rows, 0))
+
+
+def test_same_type_elementwise_fast_path_equals_the_general_dispatch(monkeypatch):
+    """Elementwise ops on values of one type and rank skip `_dispatch`'s bookkeeping
+    (`tensor._same_type_elementwise`); results, types and gradients are those of the general path."""
+    from shmap import tensor
+
+    def body(x, y, w):
+        a = torch.addcmul(x * 0.5, x, y, value=-2) + 1
+        b = (torch.lerp(a, y, 0.25).abs() + 0.1).sqrt() / 3 + (x > 0)
+        c = torch.where(y > 0, b, a) - w      # w invariant: lifted, the general path
+        d = c.to(torch.float32).double() ** 2 + True
+        return shmap.psum(d.sum(-1) + torch.clamp(x, min=-0.5).sum(-1), "j"), shmap.vma(b), shmap.vma(c)
+
+    f = sm(lambda x, y, w: body(x, y, w)[0], (P("i", "j"), P("i", "j"), P()), P("i"))
+    x, y, w = (torch.randn(8, 4, requires_grad=True), torch.randn(8, 4), torch.randn(2, requires_grad=True))
+    seen = []
+    sm(lambda x, y, w: seen.extend(body(x, y, w)[1:]) or x, (P("i", "j"), P("i", "j"), P()), P("i", "j"))(x, y, w)
+    assert seen == [{"i", "j"}, {"i", "j"}]
+    calls = []
+    original = tensor._same_type_elementwise
+    monkeypatch.setattr(tensor, "_same_type_elementwise", lambda *a: calls.append(a[0]) or original(*a))
+    out = f(x, y, w)
+    grads = torch.autograd.grad(out.sum(), (x, w))
+    assert len(calls) > 10
+    monkeypatch.setattr(tensor, "_FAST", {})
+    expect = f(x, y, w)
+    for a, b in zip((out, *grads), (expect, *torch.autograd.grad(expect.sum(), (x, w)))):
+        assert torch.equal(a, b)

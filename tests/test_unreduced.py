@@ -121,3 +121,22 @@ def test_adding_zero_keeps_a_sum_pending():
 
     x = torch.randn(8)
     torch.testing.assert_close(sm(body, P("i"), P())(x), 2 * sum(x.chunk(4)))
+
+
+def add(x, y):
+    """A user function that takes part in __torch_function__ and is *named* like torch.add, but is not
+    linear: the pending-sum rules are keyed by torch's callables, not by names."""
+    from torch.overrides import handle_torch_function, has_torch_function
+
+    if has_torch_function((x, y)):
+        return handle_torch_function(add, (x, y), x, y)
+    return x * x + y
+
+
+def test_rules_are_keyed_by_callables_not_names():
+    def body(a):
+        u = shmap.pcast(a, "i", to="unreduced")
+        return shmap.psum(add(u, u), "i")
+
+    with pytest.raises(shmap.VmaError, match="does not commute"):
+        sm(body, P("i"), P())(torch.randn(8))

@@ -1,8 +1,9 @@
 """The distributed mesh's boundary: a rank's block of a global value and back, as autograd Functions.
 
 `TakeBlock` / `AssembleBlocks` (a plain tensor every rank holds <-> this
-rank's block), `PendingTerm` (a pending sum's term), `ScaleGrad` (the
-check_vma=False transpose of an unmapped output), and the DTensor layout check.
+rank's block), `Arrive` (where deferred gradient reductions are read),
+`PendingTerm` (a pending sum's term), `ScaleGrad` (the check_vma=False
+transpose of an unmapped output), and the DTensor layout check.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ..errors import SpecError
 from ..tensor import mesh_order
+from .deferred import arrived
 from .transports import _gather_rows
 
 
@@ -17,6 +19,23 @@ def _take_block(x, starts):
     for d, (start, size) in starts.items():
         x = x.narrow(d, start, size)
     return x
+
+
+class Arrive(torch.autograd.Function):
+    """Identity at a body's input whose backward waits for the input's deferred gradient reductions.
+
+    Created when the body starts, so autograd runs it after every node of the
+    body: the reductions launched on the way (`deferred`) overlap the rest of
+    the backward pass, and what leaves the body is an ordinary tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, ct):
+        return arrived(ct)
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Configuration of the distributed guard: `configure_distributed` and the options it sets.
 
 The options start from the environment (`SHMAP_CHECK_COLLECTIVES`,
-`SHMAP_COLLECTIVE_TIMEOUT`, `SHMAP_TRANSPORT`); the guard (`guard`, `waits`)
+`SHMAP_COLLECTIVE_TIMEOUT`, `SHMAP_TRANSPORT`, `SHMAP_BUCKET_BYTES`); the guard (`guard`, `waits`)
 and the transports read them at each collective.
 """
 from __future__ import annotations
@@ -33,13 +33,26 @@ _OPTIONS = {
     "check_collectives": _env_check(),
     "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
     "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
+    "bucket_bytes": int(os.environ.get("SHMAP_BUCKET_BYTES") or 1 << 20),
     "poll": 0.25,
     "exit_grace": 2.0,
 }
 
 
+#: transport name -> factory(process group) -> an object with all_reduce / all_gather / reduce_scatter /
+#: ppermute / all_to_all on CPU tensors; 'torch' (torch.distributed itself) needs none.  Transports plug
+#: in with `register_transport` (the shared-memory one: `shmap.kernels.transport`), so the core never
+#: imports them.
+_TRANSPORTS: dict = {}
+
+
+def register_transport(name: str, factory):
+    """Make `configure_distributed(transport=name)` move CPU tensors with `factory(process_group)`."""
+    _TRANSPORTS[name] = factory
+
+
 def configure_distributed(*, check_collectives: bool | None = None, timeout: float | None = None,
-                          transport: str | None = None) -> dict:
+                          transport: str | None = None, bucket_bytes: int | None = None) -> dict:
     """Set how distributed collectives are guarded; returns the previous settings.
 
     - `check_collectives`: how ranks running different programs are caught
@@ -63,12 +76,21 @@ def configure_distributed(*, check_collectives: bool | None = None, timeout: flo
       `'shm'`: CPU tensors move through `shmap.kernels.ShmTransport`, shared
       memory between the processes of one host (env `SHMAP_TRANSPORT`).
       pmax/pmin keep using torch.distributed.
+    - `bucket_bytes`: a backward pass's gradient psums (the transposes of
+      pvary) are summed together in buckets of about this many bytes, launched
+      while the pass goes on (default 1 MiB; env `SHMAP_BUCKET_BYTES`; 1: one
+      all_reduce per psum).  See `backends/deferred.py`.
     Must be set identically on every rank.
     """
-    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport")}
+    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport", "bucket_bytes")}
+    if bucket_bytes is not None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"configure_distributed: bucket_bytes must be a positive int, got {bucket_bytes!r}.")
+        _OPTIONS["bucket_bytes"] = bucket_bytes
     if transport is not None:
-        if transport not in ("torch", "shm"):
-            raise ValueError(f"configure_distributed: transport must be 'torch' or 'shm', got {transport!r}.")
+        if transport != "torch" and transport not in _TRANSPORTS:
+            known = ", ".join(repr(t) for t in ["torch", *_TRANSPORTS])
+            raise ValueError(f"configure_distributed: transport must be one of {known}, got {transport!r}.")
         _OPTIONS["transport"] = transport
     if check_collectives is not None:
         if check_collectives != "strict" and not isinstance(check_collectives, (bool, int)):

@@ -36,8 +36,9 @@ import math
 import torch
 
 from ..tensor import mesh_order
-from . import watchdog
+from . import traced, watchdog
 from .boundary import (  # noqa: F401  (re-exported)
+    Arrive,
     AssembleBlocks,
     PendingTerm,
     PendingTermT,
@@ -121,7 +122,8 @@ class Distributed:
         axes = tuple(axes)
         g = self._groups.get(axes)
         if g is None:
-            g = self._make_group(axes)
+            with traced.untraced():  # built from the mesh's real device tensor, also while tracing
+                g = self._make_group(axes)
             self._groups[axes] = g
         return g
 
@@ -183,7 +185,8 @@ class Distributed:
 
         axes = mesh_order(spec.axes(), body)
         if dt.is_dtensor(x):
-            return dt.local_block(x, self.mesh, spec), axes
+            x = dt.local_block(x, self.mesh, spec)
+            return (Arrive.apply(x) if _grad(x) else x), axes
         starts = self._block_starts(spec, x.shape)
         if starts:
             x = TakeBlock.apply(x, self, spec, body) if _grad(x) else _take_block(x, starts)
@@ -191,6 +194,8 @@ class Distributed:
             # A pending sum of a global value: the first device along the axes holds it, the others zeros.
             first = all(self.coords[a] == 0 for a in spec.unreduced)
             x = PendingTerm.apply(x, first) if _grad(x) else (x if first else torch.zeros_like(x))
+        if _grad(x):
+            x = Arrive.apply(x)  # the body's gradient reductions are read here, last (see `deferred`)
         return x, axes
 
     def _block_starts(self, spec, shape):
@@ -235,7 +240,9 @@ class Distributed:
             # includes the count) or, in strict mode, exchanges a signature: a
             # rank that skipped a collective meets the others' here, not later.
             body._exit_checked = True
-            if not self.watch.body_done():
+            if traced.tracing():  # torch.compile: counted (or exchanged) when the graph runs
+                traced.body_end(logical_shape, phys.dtype, f"first out_spec {spec}", phys)
+            elif not self.watch.body_done():
                 self.watch.check("end of shard_map body", (), logical_shape, phys.dtype, f"first out_spec {spec}")
         if not body.check_vma:
             named = set(spec.axes())

@@ -9,6 +9,9 @@ import torch
 
 from .. import comm
 from ..tensor import event
+from . import deferred
+from . import traced
+from .traced import tracing
 from .transports import _all_gather, _all_reduce, _all_to_all, _own_block, _ppermute, _psum_scatter
 
 
@@ -21,6 +24,8 @@ def _grad(t) -> bool:
 # --------------------------------------------------------------------------
 def _record(kind, axes, shape, dtype):
     """Report a collective to every active `comm_log` (nothing to build when none is active)."""
+    if tracing():  # torch.compile: the op shmap.coll_record, run by the graph on every call (traced.py)
+        return traced.record(kind, axes, shape, dtype)
     if comm._LOGS:
         comm.record(event(kind, axes, shape, dtype))
 
@@ -49,7 +54,10 @@ class Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        return Psum.apply(ct, ctx.g), None
+        if torch.is_grad_enabled():  # a graph for higher derivatives: the Function, which transposes again
+            return Psum.apply(ct, ctx.g), None
+        _record("psum", ctx.g.axes, ct.shape, ct.dtype)
+        return deferred.psum(ct, ctx.g), None
 
 
 class PsumUnchecked(torch.autograd.Function):
@@ -109,7 +117,11 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        return PsumScatter.apply(ct, *ctx.args), None, None, None
+        if torch.is_grad_enabled():
+            return PsumScatter.apply(ct, *ctx.args), None, None, None
+        g, dim, tiled = ctx.args
+        _record("psum_scatter", g.axes, ct.shape, ct.dtype)
+        return deferred.psum_scatter(ct, g, dim, tiled), None, None, None
 
 
 class PsumScatter(torch.autograd.Function):

@@ -49,19 +49,23 @@ class Group:
         return self._pg
 
     def shm(self, x):
-        """This group's shared-memory transport when configured and `x` is on the CPU, else None.
+        """This group's configured CPU transport (e.g. shared memory) when `x` is on the CPU, else None.
 
         Its ranks are the process group's, so the same position permutations apply.
         """
-        from .config import _OPTIONS
+        from .config import _OPTIONS, _TRANSPORTS
 
-        if _OPTIONS["transport"] != "shm" or x.device.type != "cpu":
+        name = _OPTIONS["transport"]
+        if name == "torch" or x.device.type != "cpu":
             return None
-        if self._shm is None:
-            from ..kernels.transport import ShmTransport
-
-            self._shm = ShmTransport.from_process_group(self.pg())
-        return self._shm
+        if self._shm is None or self._shm[0] != name:
+            factory = _TRANSPORTS.get(name)
+            if factory is None:
+                raise ValueError(f"shmap transport {name!r} (SHMAP_TRANSPORT) is not registered; known: "
+                                 f"{['torch', *_TRANSPORTS]}. Fix: import the module that provides it "
+                                 "(shmap.kernels.transport for 'shm'), or use 'torch'.")
+            self._shm = (name, factory(self.pg()))  # registered by the transport's module
+        return self._shm[1]
 
     def torch_ranks(self, positions):
         """Process-group ranks of tuple positions."""

@@ -18,14 +18,9 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from .config import _OPTIONS
+from .groups import _dist
 from .signatures import Seal, _Pending, describe, signature16  # noqa: F401  (Seal: annotations)
 from .waits import WatchedWaits, _ranks, _user_location
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
 
 
 # --------------------------------------------------------------------------

@@ -65,6 +65,18 @@ class Simulated:
         carries but the spec does not name (only with check_vma=False) keep
         device 0's copy, with JAX's defensive transpose (cotangent / size).
         """
+        if all(type(s) is int for s in logical_shape):  # (not symbolic sizes: torch.compile dynamic shapes)
+            key = (paxes, spec, tuple(logical_shape), body.axes, tuple(body.sizes.values()))
+            got = _ASSEMBLIES.get(key)
+            if got is None:
+                got = self._assembly_plan(paxes, spec, body, logical_shape)
+                if len(_ASSEMBLIES) < 65536:
+                    _ASSEMBLIES[key] = got
+            if got is not None:  # (None: axes to drop, the general path below)
+                target, perm, out_shape = got
+                if not perm:
+                    return phys
+                return expand_to(phys, paxes, target, body.sizes).permute(perm).reshape(out_shape)
         named = spec.axes()
         if not named and not paxes:
             return phys
@@ -83,6 +95,24 @@ class Simulated:
             perm.append(k + d)
             out_shape.append(size * math.prod(body.sizes[a] for a in axes))
         return phys.permute(perm).reshape(out_shape)
+
+    def _assembly_plan(self, paxes, spec, body, logical_shape):
+        """`assemble`'s (target axes, permutation, global shape) when no axis is dropped, else None
+        (a value without named axes and device dims: an empty permutation, returned as is)."""
+        named = spec.axes()
+        if not named and not paxes:
+            return (), [], ()
+        if any(a not in named for a in paxes):
+            return None
+        target = mesh_order(set(paxes) | set(named), body)
+        k = len(target)
+        perm, out_shape = [], []
+        for d, size in enumerate(logical_shape):
+            axes = spec.dim_axes(d)
+            perm.extend(target.index(a) for a in axes)
+            perm.append(k + d)
+            out_shape.append(size * math.prod(body.sizes[a] for a in axes))
+        return target, perm, out_shape
 
     def input_value(self, phys, paxes, body):
         """With check_vma=False every value is treated as varying on every axis."""
@@ -304,5 +334,6 @@ class TakeFirst(torch.autograd.Function):
 
 
 _SPLITS: dict = {}
+_ASSEMBLIES: dict = {}
 
 SIMULATED = Simulated()

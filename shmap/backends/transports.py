@@ -10,6 +10,8 @@ import torch
 
 from .groups import Group, _dist
 from .signatures import SEAL_BITS, Seal, reduce_trailer, sealable
+from . import traced
+from .traced import tracing
 
 
 # --------------------------------------------------------------------------
@@ -24,6 +26,32 @@ def _run(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=Fal
     would synchronise the GPU): a separate exchange completes before any data
     moves.
     """
+    _start(g, kind, shape, dtype, launch, extra, seal, blocking).finish()
+
+
+class InFlight:
+    """A launched collective: `finish()` waits for it (watched), checks its signature and closes it.
+
+    `_run` finishes at once; `deferred` finishes when the result is first read,
+    so a backward pass's reductions overlap the rest of it.
+    """
+
+    __slots__ = ("g", "record", "works", "seal", "pending", "blocking")
+
+    def finish(self):
+        g = self.g
+        w = g._backend.watch
+        w.current = self.record  # a deferred finish: its messages and stall checks name this collective
+        for work in self.works:
+            w.wait(work, None, g.ranks, gloo=g.gloo, blocking=self.blocking)
+        if self.seal is not None:
+            w.unseal(self.seal, g.ranks)
+        w.verify(self.pending, moved=True)  # default mode, no payload signature: the exchange ran alongside
+        w.done()
+
+
+def _start(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=False) -> InFlight:
+    """Count the collective, check (strict) or seal (default) its signature, and launch it."""
     w = g._backend.watch
     grad = torch.is_grad_enabled()
     if grad:  # raw data movement; autograd is the Functions' business
@@ -39,15 +67,13 @@ def _run(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=Fal
         if seal is not None:
             w.seal(seal)
         works = launch(g.pg())
-        for work in works if isinstance(works, list) else [works]:
-            w.wait(work, None, g.ranks, gloo=g.gloo, blocking=blocking)
-        if seal is not None:
-            w.unseal(seal, g.ranks)
-        w.verify(pending, moved=True)  # default mode, no payload signature: the exchange ran alongside
     finally:
         if grad:
             torch.set_grad_enabled(True)
-    w.done()
+    f = InFlight()
+    f.g, f.record, f.seal, f.pending, f.blocking = g, w.current, seal, pending, blocking
+    f.works = works if isinstance(works, list) else [works]
+    return f
 
 
 # --------------------------------------------------------------------------
@@ -61,19 +87,29 @@ def _sealing(g: Group) -> bool:
 def _sealed_reduce(src, dtype, g: Group, kind):
     """(buffer, data view, seal) for a reduction of `src` in `dtype`: the buffer is the data (a fresh
     copy of `src`) followed by the signature trailer, built by one `cat`; reduce the buffer, read the
-    view."""
+    view.  `src` may be a list of 1-D tensors (a bucket): their concatenation, copied once."""
+    parts = src if isinstance(src, list) else None
+    if parts is not None:
+        src = parts[0]
+        shape = (sum(p.numel() for p in parts),)
+    else:
+        shape = src.shape
     if not (_sealing(g) and sealable(dtype, g.n)):
-        out = src.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        if parts is not None:
+            out = torch.cat([p.to(dtype) for p in parts])
+        else:
+            out = src.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         return out, out, None
-    h = g._backend.watch.next_signature16(kind, g.axes, src.shape, src.dtype)
+    h = g._backend.watch.next_signature16(kind, g.axes, shape, src.dtype)
     lo, hi, expect = reduce_trailer(h, dtype)
     if not src.is_cpu:
         lo, hi = lo.to(src.device), hi.to(src.device)
-    m = src.numel()
-    flat = src if src.dim() == 1 else src.reshape(-1)
-    buf = torch.cat([flat if src.dtype == dtype else flat.to(dtype), lo, hi])
+    if parts is None:
+        parts = [src if src.dim() == 1 else src.reshape(-1)]
+    buf = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts] + [lo, hi])
     # as_strided: the cheapest way to the two views (this runs on every collective)
-    out = buf.as_strided(src.shape, _contiguous_strides(src.shape))
+    m = buf.numel() - 2 * SEAL_BITS
+    out = buf.as_strided(shape, _contiguous_strides(shape))
     return buf, out, Seal("reduce", None, buf.as_strided((2 * SEAL_BITS,), (1,), m), expect)
 
 
@@ -173,19 +209,40 @@ def _as_bytes(x):
 
 
 def _all_reduce(x, g: Group, kind):
+    flight, result = _launch_all_reduce(x, g, kind)
+    if flight is not None:
+        flight.finish()
+    return result()
+
+
+def _launch_all_reduce(x, g: Group, kind):
+    """(the collective in flight, or None when it already completed; its result once finished).
+
+    `x` may be a list of 1-D tensors of one dtype (a bucket of psums, `deferred.Bucket`): the result
+    is their concatenation reduced, and the data is copied once."""
+    if tracing():  # torch.compile: functional collectives (traced.py)
+        return traced.launch_all_reduce(x, g, kind)
+    if isinstance(x, list):
+        head, shape = x[0], (sum(p.numel() for p in x),)
+    else:
+        head, shape = x, x.shape
     if g.n == 1:
-        return x.clone(memory_format=torch.contiguous_format)
-    wire = _reduce_dtype(x, kind)
+        out = torch.cat(x) if isinstance(x, list) else x.clone(memory_format=torch.contiguous_format)
+        return None, lambda: out
+    wire = _reduce_dtype(head, kind)
     dist = _dist()
-    shm = g.shm(x) if kind == "psum" else None
+    shm = g.shm(head) if kind == "psum" else None
     if shm is not None:
+        x = torch.cat(x) if isinstance(x, list) else x
         out = x.to(dtype=wire or x.dtype, memory_format=torch.contiguous_format, copy=True)
         _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_reduce(out, out=out))
-        return out if wire is None else out.to(x.dtype)
-    op = dist.ReduceOp.SUM if kind == "psum" else dist.ReduceOp.MAX if kind == "pmax" else dist.ReduceOp.MIN
-    buf, out, seal = _sealed_reduce(x, wire or x.dtype, g, kind)  # a fresh copy (+ the signature trailer)
-    _run(g, kind, x.shape, x.dtype, lambda pg: dist.all_reduce(buf, op=op, group=pg, async_op=True), seal=seal)
-    return out if wire is None else out.to(x.dtype)
+    else:
+        op = dist.ReduceOp.SUM if kind == "psum" else dist.ReduceOp.MAX if kind == "pmax" else dist.ReduceOp.MIN
+        buf, out, seal = _sealed_reduce(x, wire or head.dtype, g, kind)  # a fresh copy (+ the signature trailer)
+        flight = _start(g, kind, shape, head.dtype,
+                        lambda pg: dist.all_reduce(buf, op=op, group=pg, async_op=True), seal=seal)
+        return flight, (lambda: out) if wire is None else (lambda: out.to(head.dtype))
+    return None, (lambda: out) if wire is None else (lambda: out.to(head.dtype))
 
 
 def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
@@ -200,6 +257,8 @@ def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
 
 def _gather_rows(x, g: Group, kind, extra=""):
     """[n, *x.shape]: every position's block, in the tuple's order."""
+    if tracing():  # torch.compile: functional collectives (traced.py)
+        return traced.gather_rows(x, g, kind, extra)
     x = x.contiguous()
     if g.n == 1:
         return x.unsqueeze(0).clone()
@@ -243,9 +302,20 @@ def _chunks(x, n, dim, tiled):
 
 
 def _psum_scatter(x, g: Group, dim, tiled):
+    flight, result = _launch_psum_scatter(x, g, dim, tiled)
+    if flight is not None:
+        flight.finish()
+    return result()
+
+
+def _launch_psum_scatter(x, g: Group, dim, tiled):
+    """As `_launch_all_reduce`, for psum_scatter."""
+    if tracing():  # torch.compile: functional collectives (traced.py)
+        return traced.launch_psum_scatter(x, g, dim, tiled)
     chunks = _chunks(x, g.n, dim, tiled)
     if g.n == 1:
-        return chunks[0].clone()
+        out = chunks[0].clone()
+        return None, lambda: out
     dist = _dist()
     if g.g2t is not None:  # row r of the input goes to group rank r
         chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
@@ -257,13 +327,13 @@ def _psum_scatter(x, g: Group, dim, tiled):
     if shm is not None:
         inp = chunks.reshape(g.n, -1).contiguous()
         out = _run_shm(g, "psum_scatter", x.shape, x.dtype, lambda: shm.reduce_scatter(inp), extra)
-        return out.reshape(chunks.shape[1:]).to(x.dtype)
+        return None, lambda: out.reshape(chunks.shape[1:]).to(x.dtype)
     inp, buf, out, seal = _sealed_reduce_rows(chunks.reshape(-1), g.n, g)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     # gloo's reduce_scatter ignores a wait's timeout: a helper thread waits for it (blocking=True)
-    _run(g, "psum_scatter", x.shape, x.dtype, lambda pg: fn(buf, inp, group=pg, async_op=True), extra, seal=seal,
-         blocking=True)
-    return out.view(chunks.shape[1:]).to(x.dtype)
+    flight = _start(g, "psum_scatter", x.shape, x.dtype, lambda pg: fn(buf, inp, group=pg, async_op=True), extra,
+                    seal=seal, blocking=True)
+    return flight, lambda: out.view(chunks.shape[1:]).to(x.dtype)
 
 
 def _own_block(x, g: Group, axis, tiled):
@@ -275,6 +345,8 @@ def _own_block(x, g: Group, axis, tiled):
 
 
 def _ppermute(x, g: Group, perm):
+    if tracing():  # torch.compile: functional collectives (traced.py)
+        return traced.ppermute(x, g, perm)
     me = g.index
     send = [d for s, d in perm if s == me]
     recv = [s for s, d in perm if d == me]
@@ -311,6 +383,8 @@ def _ppermute(x, g: Group, perm):
 
 
 def _all_to_all(x, g: Group, split_axis, concat_axis, tiled):
+    if tracing():  # torch.compile: functional collectives (traced.py)
+        return traced.all_to_all(x, g, split_axis, concat_axis, tiled)
     chunks = _chunks(x, g.n, split_axis, tiled)  # [dst, *chunk]
     if g.n > 1:
         dist = _dist()

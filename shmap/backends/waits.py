@@ -348,8 +348,11 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _internal(filename: str) -> bool:
+    """shmap's, torch's, or generated code (`<eval_with_key>`, a compiled graph): not the user's line."""
+    if filename.startswith("<") and not filename.startswith("<stdin") and not filename.startswith("<ipython"):
+        return True
     f = os.path.abspath(filename)
-    return f.startswith(_PKG) or f.startswith(_TORCH) or "<frozen" in filename
+    return f.startswith(_PKG) or f.startswith(_TORCH)
 
 
 def _user_location() -> str:

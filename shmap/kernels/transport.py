@@ -357,3 +357,13 @@ class ShmTransport:
 __all__ = ["ShmTransport", "all_reduce", "one_shot_all_reduce", "all_gather", "reduce_scatter",
            "direct_all_reduce_kernel", "one_shot_all_reduce_kernel",
            "direct_all_gather_kernel", "direct_reduce_scatter_kernel"]
+
+
+def _register():
+    """Plug this transport into the distributed mesh: `configure_distributed(transport='shm')`."""
+    from ..backends.config import register_transport
+
+    register_transport("shm", ShmTransport.from_process_group)
+
+
+_register()

@@ -348,10 +348,6 @@ def _init_distributed(cfg: Config):
     if cfg.mesh is None:
         raise ConfigError(f"--mesh none runs on one process, but torchrun started {world}. Fix: --mesh with "
                           f"{world} devices, e.g. --mesh data={world}, or run without torchrun.")
-    if cfg.compile:
-        raise ConfigError("--compile: compiling a step on the distributed mesh is not supported yet (its "
-                          "collectives run on c10d under shmap's watchdog, which torch.compile cannot trace). "
-                          "Fix: drop --compile under torchrun; it works on the simulated mesh and --mesh none.")
     if cfg.mesh_size != world:
         raise ConfigError(f"--mesh {cfg.describe_mesh()} has {cfg.mesh_size} devices but torchrun started {world} "
                           f"processes; under torchrun each process is one device. Fix: --nproc-per-node "

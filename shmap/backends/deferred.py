@@ -1,0 +1,185 @@
+"""A backward pass's reductions, overlapped with the rest of it and bucketed (as DDP's and FSDP's are).
+
+The transposes that bring a gradient home are the psum of `pvary` (a
+replicated weight used with sharded data: DP's all-reduce) and the
+psum_scatter of `all_gather` (a sharded weight gathered for use: FSDP's
+reduce-scatter).  Run synchronously, each stalls the backward pass until
+every rank has sent its share.  Instead each is *launched* when autograd
+computes the cotangent and handed on as a `Deferred` tensor: a wrapper with
+the result's shape and dtype whose first use by any torch op waits for the
+collective (a watched wait: the timeout, failed ranks and signatures are
+checked as for any other) and then reads the result.
+
+Both are also *bucketed*: cotangents of one group, kind and dtype gather in
+a `Bucket` until it holds at least `bucket_bytes` (1 MiB, as DDP's first
+bucket), and one collective reduces them all; 29 small all_reduces cost a step about four
+times the time of one big one on gloo.  A bucket launches when it is full,
+when any of its values is read, or when the backward pass ends.  Every rank
+runs the same program, so every rank fills and launches the same buckets in
+the same order; `comm_log` still reports one psum per transpose (the
+program's collectives), the guard counts the buckets (the wire's).
+
+Nothing may read a gradient before it has arrived, and nothing does: every
+op on a `Deferred` waits first.  Where the cotangent goes straight into the
+next backward op (a tensor-parallel activation's psum), that op waits at
+once; where it goes to a weight, the weight's boundary node
+(`boundary.Arrive`, created when the body started, so autograd runs it last)
+waits, and the pass runs every later layer's backward meanwhile.  A
+`Deferred` never leaves a shard_map's backward pass.
+
+Deferred only where this is plainly safe: eager autograd with grad mode off
+(no double backward, whose graph would have to record the wait), a plain
+tensor (not a functorch or compile wrapper), on torch.distributed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import _OPTIONS
+from .transports import _chunks, _contiguous_strides, _launch_all_reduce, _launch_psum_scatter
+
+
+class Deferred(torch.Tensor):
+    """The result of a collective still on the wire; any op on it waits for it first."""
+
+    @staticmethod
+    def __new__(cls, resolve, shape, dtype, device):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=_contiguous_strides(tuple(shape)),
+                                                dtype=dtype, device=device, requires_grad=False)
+        t._resolve, t._value = resolve, None
+        return t
+
+    def wait(self) -> torch.Tensor:
+        """The collective's result (waits for it, once)."""
+        if self._value is None:
+            self._value, self._resolve = self._resolve(), None
+        return self._value
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args = tuple(a.wait() if isinstance(a, Deferred) else a for a in args)
+        if kwargs:
+            kwargs = {k: v.wait() if isinstance(v, Deferred) else v for k, v in kwargs.items()}
+        return func(*args, **(kwargs or {}))
+
+    def __repr__(self):
+        return f"Deferred({self.wait()!r})"
+
+
+def arrived(t):
+    """`t`, or the value of a `Deferred` once it has arrived."""
+    return t.wait() if isinstance(t, Deferred) else t
+
+
+def _deferrable(ct) -> bool:
+    return (not torch.is_grad_enabled() and type(ct) is torch.Tensor
+            and not torch._C._functorch.is_functorch_wrapped_tensor(ct) and not torch.compiler.is_compiling()
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None)
+
+
+# --------------------------------------------------------------------------
+# psum (the transpose of pvary) and psum_scatter (of all_gather): bucketed
+# --------------------------------------------------------------------------
+def psum(ct, g):
+    """psum of a cotangent over group `g`: bucketed and read later where that is safe."""
+    ct = arrived(ct)
+    if not _bucketable(ct, g):
+        flight, result = _launch_all_reduce(ct, g, "psum")
+        return _hand_on(flight, result, ct, ct.shape, defer=_deferrable(ct))
+    return _bucket(g, "psum", ct).add(ct.reshape(-1), ct.shape, ct.dtype)
+
+
+def psum_scatter(ct, g, dim, tiled):
+    """psum_scatter of a cotangent over group `g`: bucketed and read later where that is safe."""
+    ct = arrived(ct)
+    shape = list(ct.shape)
+    if tiled:
+        shape[dim] //= g.n
+    else:
+        del shape[dim]
+    if not _bucketable(ct, g):
+        flight, result = _launch_psum_scatter(ct, g, dim, tiled)
+        return _hand_on(flight, result, ct, shape, defer=_deferrable(ct))
+    rows = _chunks(ct, g.n, dim, tiled).reshape(g.n, -1)  # [n, m]: row r is summed onto position r
+    return _bucket(g, "psum_scatter", ct).add(rows, shape, ct.dtype)
+
+
+def _bucketable(ct, g) -> bool:
+    return _deferrable(ct) and g.n > 1 and g.shm(ct) is None
+
+
+def _bucket(g, kind, ct):
+    key = (id(g), kind, ct.dtype, ct.device)
+    b = _OPEN.get(key)
+    if b is None:
+        b = _OPEN[key] = Bucket(g, kind, key)
+    return b
+
+
+#: (group, kind, dtype, device) -> the bucket filling for it
+_OPEN: dict = {}
+
+
+class Bucket:
+    """Cotangents of one group, kind and dtype reduced by one collective (see the module docstring).
+
+    psum: each part is a flat cotangent; the bucket sums their concatenation.
+    psum_scatter: each part is [n, m] (row r for position r); the bucket
+    reduce-scatters the parts side by side, [n, sum of m], and each position
+    reads its columns back.
+    """
+
+    def __init__(self, g, kind, key):
+        self.g, self.kind, self.key = g, kind, key
+        self.parts, self.nbytes, self.starts = [], 0, [0]
+        self.flight = self.result = self.value = None
+        try:  # launch at the end of this backward pass at the latest (nobody may read some values)
+            torch.autograd.Variable._execution_engine.queue_callback(self.launch)
+        except RuntimeError:  # not inside a backward pass: the first read launches
+            pass
+
+    def add(self, part, shape, dtype) -> Deferred:
+        i = len(self.parts)
+        self.parts.append(part)
+        self.starts.append(self.starts[-1] + part.shape[-1])
+        self.nbytes += part.numel() * part.element_size()
+        d = Deferred(lambda: self.read(i, shape), shape, dtype, part.device)
+        if self.nbytes >= _OPTIONS["bucket_bytes"]:
+            self.launch()
+        return d
+
+    def launch(self):
+        if self.parts is None:
+            return
+        if _OPEN.get(self.key) is self:
+            del _OPEN[self.key]
+        parts, self.parts = self.parts, None
+        if self.kind == "psum":  # the parts are copied once, into the sealed buffer
+            self.flight, self.result = _launch_all_reduce(parts, self.g, "psum")
+        else:
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            self.flight, self.result = _launch_psum_scatter(rows, self.g, 0, False)
+
+    def read(self, i, shape):
+        self.launch()
+        if self.value is None:
+            if self.flight is not None:
+                self.flight.finish()
+            self.value, self.flight, self.result = self.result(), None, None
+        return self.value[self.starts[i]:self.starts[i + 1]].view(shape)
+
+
+def _hand_on(flight, result, ct, shape, defer=True):
+    if flight is None:  # completed already (one device, shared memory)
+        return result()
+    if not defer:
+        flight.finish()
+        return result()
+
+    def resolve():
+        flight.finish()
+        return result()
+
+    return Deferred(resolve, shape, ct.dtype, ct.device)

@@ -1,0 +1,453 @@
+"""The distributed mesh's collectives under tracing (`torch.compile`, `make_fx`): functional collectives.
+
+Eagerly a collective is a c10d call under the guard (`transports._run`).  A
+graph cannot contain that: AOT autograd traces the body on fake tensors, and
+whatever a Python call does happens once, at trace time.  So while tracing
+(`tracing()`: a fake, proxy or functional dispatch mode is active) each raw
+collective of `transports` hands over to its twin here, which emits torch's
+functional collectives (`torch.ops._c10d_functional.*`, with fake kernels and
+Inductor lowerings) between small ordered effectful shmap ops, each of which
+also takes the previous one's output (`after`: a data dependency keeps them
+in order where Inductor's reorderings do not honour the effect order).  The
+compiled graph then performs, on every call, what the eager path does:
+
+    shmap.coll_begin(like, after, spec)   count the collective (the guard's
+                                          counter, black box); strict mode, or a
+                                          payload that cannot carry a signature:
+                                          exchange and check one now, before any
+                                          data moves; default mode: return the
+                                          signature trailer
+    _c10d_functional.<collective>         the data, with the trailer folded in as
+                                          eagerly (same layout, same wire dtype)
+    shmap.coll_wait(out, sent, spec)      the watched wait (a helper thread waits
+                                          on the work; this one polls the store
+                                          for failed or exited ranks and the
+                                          timeout), the trailers received checked
+                                          against the one sent, then `done`
+    _c10d_functional.wait_tensor          (already complete: a no-op)
+
+and `shmap.coll_record` (as `ops.record` does) reports each event to `comm_log`
+where the eager path does; `shmap.body_end` counts the end of each body (or,
+strict, exchanges its signature) at run time.  Results equal eager bit for bit: the
+same wire dtypes (`transports._reduce_dtype`), the same buffers, the same
+rank-order permutations.
+
+A spec (or an event) is a string, the collective's description and layout,
+so a graph means the same thing in any process that loads it from a cache.
+
+Where this differs from eager: `shmap/compile.py`'s docstring.
+"""
+from __future__ import annotations
+
+import ast
+import struct
+
+import torch
+from torch._higher_order_ops.effects import _EffectType
+
+from .. import comm
+from ..tensor import event
+from .groups import Group
+from .signatures import SEAL_BITS, reduce_trailer, sealable, signature16
+
+_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+_C = None
+
+
+def tracing() -> bool:
+    """Whether a graph is being captured (fake, proxy or functional tensors): collectives must be ops."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    get = torch._C._get_dispatch_mode
+    return any(get(k) is not None for k in _MODES)
+
+
+def _c10d():
+    global _C
+    if _C is None:
+        import torch.distributed._functional_collectives  # noqa: F401  (registers the fake kernels)
+
+        _C = torch.ops._c10d_functional
+    return _C
+
+
+# --------------------------------------------------------------------------
+# The effectful ops: the guard at run time
+# --------------------------------------------------------------------------
+_LIB = torch.library.Library("shmap", "FRAGMENT")
+_LIB.define("coll_begin(Tensor like, Tensor after, str spec) -> Tensor")
+_LIB.define("coll_wait(Tensor out, Tensor sent, str spec) -> Tensor")
+_LIB.define("body_end(Tensor after, str spec) -> Tensor")
+_LIB.define("coll_record(Tensor after, str event) -> Tensor")
+
+# Ordered effects alone do not keep these ops in order under Inductor (torch 2.13: its locality and
+# peak-memory reorderings moved a collective's `coll_begin` before the previous one's `coll_wait`), so
+# each op also takes the previous one's output as an input (`after`; `coll_wait` takes `coll_begin`'s):
+# a data dependency every pass keeps.  `_CHAIN` is that last output, for the graph being captured (the
+# dispatch modes of its capture: a new capture starts a new chain).
+_CHAIN: list = [None, None]
+
+
+def _modes():
+    get = torch._C._get_dispatch_mode
+    return tuple(get(k) for k in _MODES)
+
+
+def _after(like):
+    """The output of the last guard op of this capture (an empty tensor if it has none yet)."""
+    modes, last = _CHAIN
+    if modes is not None and all(a is b for a, b in zip(modes, _modes())):
+        return last
+    return like.new_empty(0, dtype=torch.uint8)
+
+
+def _chained(out):
+    _CHAIN[0], _CHAIN[1] = _modes(), out
+    return out
+
+
+_SPECS: dict = {}
+
+
+class _Spec:
+    """One collective as the graph names it: what it is, and where its payload carries its signature."""
+
+    __slots__ = ("kind", "axes", "shape", "dtype", "extra", "ranks", "seal", "tdtype", "tlen", "row", "gloo")
+
+    def __init__(self, kind, axes, shape, dtype, extra, ranks, seal, tdtype, row, gloo):
+        self.kind, self.axes, self.shape, self.extra = kind, tuple(axes), tuple(shape), extra
+        self.dtype, self.tdtype = getattr(torch, dtype), getattr(torch, tdtype)
+        self.ranks, self.seal, self.row, self.gloo = list(ranks), seal, row, gloo
+        self.tlen = 2 * SEAL_BITS if seal == "reduce" else 8 if seal == "bytes" else 0
+
+
+def _spec(g: Group, kind, shape, dtype, extra, seal, tdtype, row=0) -> str:
+    s = repr((kind, tuple(g.axes), tuple(int(d) for d in shape), str(dtype).replace("torch.", ""), extra,
+              tuple(g.ranks), seal, str(tdtype).replace("torch.", ""), row, g.gloo))
+    if s not in _SPECS:
+        _SPECS[s] = _Spec(*ast.literal_eval(s))
+    return s
+
+
+def _get(spec: str) -> _Spec:
+    got = _SPECS.get(spec)
+    if got is None:  # a graph loaded from a cache
+        got = _SPECS[spec] = _Spec(*ast.literal_eval(spec))
+    return got
+
+
+def _watch():
+    from . import watchdog
+
+    return watchdog.watch()
+
+
+def _begin_impl(like, after, spec):
+    """Count the collective; check its signature now (strict, or no room for it in the payload) or
+    return the trailer its payload carries (what this rank sends; what `coll_wait` expects back)."""
+    s = _get(spec)
+    w = _watch()
+    pending = w.begin(s.kind, s.axes, s.shape, s.dtype, s.extra, exchange=s.seal is None)
+    if pending is not None:
+        w.verify(pending)  # before the data moves
+    if s.seal is None:
+        return torch.empty(0, dtype=s.tdtype, device=like.device)
+    c, n = w._static(s.kind, s.axes, s.shape, s.dtype, s.extra), w.current[0]
+    if s.seal == "reduce":
+        lo, hi, _ = reduce_trailer(signature16(c, n, w.epoch), s.tdtype)
+        t = torch.cat([lo, hi])
+    else:
+        t = torch.frombuffer(bytearray(struct.pack("<IHH", c, n & 0xFFFF, w.epoch & 0xFFFF)), dtype=torch.uint8)
+    return t if like.is_cpu else t.to(like.device)
+
+
+class _TensorWork:
+    """A functional collective's output as the guard's watched wait sees a work."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+    def wait(self, timeout=None):
+        _c10d().wait_tensor(self.t)
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _wait_impl(out, sent, spec):
+    """The watched wait for `out`; then the trailers received must equal the one sent."""
+    s = _get(spec)
+    w = _watch()
+    # A helper thread waits (wait_tensor takes no timeout); this one watches the store and the clock.
+    w.wait(_TensorWork(out), None, s.ranks, gloo=s.gloo, blocking=True)
+    if s.seal is not None and out.numel():
+        if s.seal == "reduce":  # each pair keeps exactly its nonzero side iff every rank wrote the same bits
+            ok = [bool(v) for v in out.reshape(-1)[-s.tlen:].tolist()] == [bool(v) for v in sent.tolist()]
+        else:
+            ok = all(row == sent.tolist() for row in out.reshape(-1, s.row)[:, -8:].tolist())
+        if not ok:
+            w.poisoned = True
+            w._mismatch_found(s.ranks, "its payload's signature")
+    w.done()
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _body_end_impl(after, spec):
+    s = _get(spec)
+    w = _watch()
+    if not w.body_done():
+        w.check(s.kind, (), s.shape, s.dtype, s.extra)
+    return torch.empty(0, dtype=torch.uint8)
+
+
+_EVENTS: dict = {}
+
+
+def _record_impl(after, event):
+    got = _EVENTS.get(event)
+    if got is None:
+        got = _EVENTS[event] = comm.CommEvent(*ast.literal_eval(event))
+    comm.record(got)
+    return torch.empty(0, dtype=torch.uint8)
+
+
+_LIB.impl("coll_begin", _begin_impl, "CompositeExplicitAutograd")
+_LIB.impl("coll_wait", _wait_impl, "CompositeExplicitAutograd")
+_LIB.impl("body_end", _body_end_impl, "CompositeExplicitAutograd")
+_LIB.impl("coll_record", _record_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("shmap::coll_begin", lambda like, after, spec: like.new_empty(
+    _get(spec).tlen, dtype=_get(spec).tdtype), lib=_LIB)
+torch.library.register_fake("shmap::coll_wait", lambda out, sent, spec: out.new_empty(0, dtype=torch.uint8),
+                            lib=_LIB)
+for _op in ("body_end", "coll_record"):
+    torch.library.register_fake(f"shmap::{_op}", lambda after, arg: after.new_empty(0, dtype=torch.uint8), lib=_LIB)
+for _op in ("shmap::coll_begin", "shmap::coll_wait", "shmap::body_end", "shmap::coll_record"):
+    torch.library._register_effectful_op(_op, _EffectType.ORDERED)
+
+
+def _begin(like, spec):
+    return _chained(torch.ops.shmap.coll_begin(like, _after(like), spec))
+
+
+def _moved(launch, buf, sent, spec):
+    """Launch a functional collective on `buf`; the watched wait and check; its (complete) output."""
+    out = launch(buf)
+    _chained(torch.ops.shmap.coll_wait(out, sent, spec))
+    return _c10d().wait_tensor(out)
+
+
+def untraced():
+    """A context in which no dispatch mode is active: building a group or a process group while tracing
+    runs on real tensors, once."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _name(g: Group) -> str:
+    """The group's name for the functional ops (its process group made outside the trace if new)."""
+    if g._pg is None:
+        with untraced():
+            g.pg()
+    return g._pg.group_name
+
+
+def _sealing(g: Group) -> bool:
+    return g._backend.watch.sealing() and g.gloo
+
+
+def _bytes(t, rows=None):
+    """`t` (contiguous) as flat uint8, or as [rows, bytes]."""
+    b = t.reshape(-1)
+    b = b if b.dtype == torch.uint8 else b.view(torch.uint8)
+    return b if rows is None else b.view(rows, -1)
+
+
+# --------------------------------------------------------------------------
+# The collectives (each the twin of one in `transports`)
+# --------------------------------------------------------------------------
+def record(kind, axes, shape, dtype):
+    """comm_log's report of a collective, as the op `shmap.coll_record` (as `ops.record` under tracing)."""
+    e = event(kind, axes, shape, dtype)
+    spec = repr((e.kind, e.axes, e.bytes, e.shape, e.dtype))
+    _chained(torch.ops.shmap.coll_record(_after(torch.empty(0, dtype=torch.uint8)), spec))
+
+
+def body_end(shape, dtype, extra, like):
+    """The end of a body (`Distributed.assemble`): counted, or exchanged (strict), at run time."""
+    kind = "end of shard_map body"
+    s = repr((kind, (), tuple(int(d) for d in shape), str(dtype).replace("torch.", ""), extra, (), None,
+              "float32", 0, True))
+    _get(s)
+    _chained(torch.ops.shmap.body_end(_after(like), s))
+
+
+def all_reduce(x, g: Group, kind):
+    from .transports import _reduce_dtype
+
+    if g.n == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    name = _name(g)
+    wire = _reduce_dtype(x, kind) or x.dtype
+    seal = "reduce" if _sealing(g) and sealable(wire, g.n) and not wire.is_complex else None
+    spec = _spec(g, kind, x.shape, x.dtype, "", seal, wire)
+    m = x.numel()
+    t = _begin(x, spec)
+    buf = torch.cat([x.reshape(-1).to(wire), t])  # a fresh copy (+ the signature trailer)
+    op = "sum" if kind == "psum" else "max" if kind == "pmax" else "min"
+    reduce = lambda b: _c10d().all_reduce(b, op, name)  # noqa: E731
+    if wire.is_complex:
+        out = torch.view_as_complex(_moved(reduce, torch.view_as_real(buf), t, spec))
+    else:
+        out = _moved(reduce, buf, t, spec)
+    out = out[:m].view(x.shape)
+    return out if wire == x.dtype else out.to(x.dtype)
+
+
+def launch_all_reduce(x, g: Group, kind):
+    """`transports._launch_all_reduce` under tracing: complete at once (a list: a bucket, concatenated)."""
+    out = all_reduce(torch.cat(x) if isinstance(x, list) else x, g, kind)
+    return None, lambda: out
+
+
+def gather_rows(x, g: Group, kind, extra=""):
+    """[n, *x.shape]: every position's block, in the tuple's order."""
+    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _as_bytes
+
+    x = x.contiguous()
+    if g.n == 1:
+        return x.unsqueeze(0).clone()
+    name = _name(g)
+    flat = x.reshape(-1) if x.dtype in _MOVABLE and not x.is_complex() else _as_bytes(x)
+    sealed = _sealing(g) and flat.numel() * flat.element_size() * g.n <= _SEAL_BYTES_LIMIT
+    gather = lambda b: _c10d().all_gather_into_tensor(b, g.n, name)  # noqa: E731
+    if sealed:
+        b = _bytes(flat)
+        nb = b.numel()
+        spec = _spec(g, kind, x.shape, x.dtype, extra, "bytes", torch.uint8, nb + 8)
+        t = _begin(flat, spec)
+        got = _moved(gather, torch.cat([b, t]).view(1, nb + 8), t, spec)  # [n, nb + 8]
+        out = got[:, :nb].contiguous().view(flat.dtype).view(g.n, flat.numel())
+    else:
+        spec = _spec(g, kind, x.shape, x.dtype, extra, None, flat.dtype)
+        t = _begin(flat, spec)
+        out = _moved(gather, torch.cat([flat, t]).view(1, -1), t, spec)
+    if out.dtype != x.dtype:
+        out = out.view(x.dtype)
+    if g.g2t is not None:
+        out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
+    return out.view(g.n, *x.shape)
+
+
+def launch_psum_scatter(x, g: Group, dim, tiled):
+    """`transports._launch_psum_scatter` under tracing: complete at once."""
+    from .transports import _SEAL_BYTES_LIMIT, _chunks, _reduce_dtype
+
+    chunks = _chunks(x, g.n, dim, tiled)
+    if g.n == 1:
+        out = chunks[0].clone()
+        return None, lambda: out
+    name = _name(g)
+    if g.g2t is not None:  # row r of the input goes to group rank r
+        chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
+    wire = _reduce_dtype(x, "psum_scatter")
+    if wire is not None:
+        chunks = chunks.to(wire)
+    n = g.n
+    inp = chunks.reshape(n, -1)
+    m = inp.shape[1]
+    big = inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
+    seal = "reduce" if not big and _sealing(g) and sealable(inp.dtype, n) and not inp.is_complex() else None
+    spec = _spec(g, "psum_scatter", x.shape, x.dtype, f"scatter_dimension={dim}, tiled={tiled}", seal, inp.dtype)
+    t = _begin(inp, spec)
+    rows = torch.cat([inp, t.expand(n, t.numel())], dim=1).reshape(-1)  # each row carries the trailer
+    scatter = lambda b: _c10d().reduce_scatter_tensor(b, "sum", n, name)  # noqa: E731
+    if inp.is_complex():
+        out = torch.view_as_complex(_moved(scatter, torch.view_as_real(rows), t, spec))
+    else:
+        out = _moved(scatter, rows, t, spec)
+    out = out[:m].view(chunks.shape[1:]).to(x.dtype)
+    return None, lambda: out
+
+
+def ppermute(x, g: Group, perm):
+    """One all_to_all_single whose splits are the permutation (eagerly: point-to-point sends)."""
+    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _as_bytes
+
+    me = g.index
+    send = [d for s, d in perm if s == me and d != me]
+    recv = [s for s, d in perm if d == me and s != me]
+    own = (me, me) in perm
+    if g.n == 1:
+        return x.clone() if own else torch.zeros_like(x)
+    if x.dtype not in _MOVABLE or x.is_complex():
+        return ppermute(_as_bytes(x), g, perm).view(x.dtype).reshape(x.shape)
+    x = x.contiguous()
+    name = _name(g)
+    extra = f"perm={list(perm)}"
+    sealed = _sealing(g) and x.numel() * x.element_size() * g.n <= _SEAL_BYTES_LIMIT
+    flat = _bytes(x) if sealed else x.reshape(-1)
+    length = flat.numel() + (8 if sealed else 0)
+    spec = _spec(g, "ppermute", x.shape, x.dtype, extra, "bytes" if sealed else None,
+                 torch.uint8 if sealed else x.dtype, length)
+    t = _begin(flat, spec)
+    payload = torch.cat([flat, t])
+    rank = g.torch_ranks
+    ins, outs = [0] * g.n, [0] * g.n
+    for d in send:
+        ins[rank([d])[0]] = length
+    for s in recv:
+        outs[rank([s])[0]] = length
+    if any(s != d for s, d in perm):
+        got = _moved(lambda b: _c10d().all_to_all_single(b, outs, ins, name), payload if send else payload[:0],
+                     t, spec)
+    else:  # nothing moves anywhere: still counted and closed, as eagerly
+        got = payload[:0]
+        _chained(torch.ops.shmap.coll_wait(got, t, spec))
+    if recv:
+        data = got[:flat.numel()]
+        return (data.view(x.dtype) if sealed else data).view(x.shape)
+    return x.clone() if own else torch.zeros_like(x)  # a device with no source gets zeros
+
+
+def all_to_all(x, g: Group, split_axis, concat_axis, tiled):
+    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _as_bytes, _chunks
+
+    chunks = _chunks(x, g.n, split_axis, tiled)  # [dst, *chunk]
+    if g.n > 1:
+        name = _name(g)
+        n = g.n
+        if g.g2t is not None:
+            chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
+        inp = chunks.contiguous()
+        if inp.dtype not in _MOVABLE or inp.is_complex():
+            inp = _as_bytes(inp).view(n, -1)
+        extra = f"split_axis={split_axis}, concat_axis={concat_axis}, tiled={tiled}"
+        sealed = _sealing(g) and inp.numel() * inp.element_size() * n <= _SEAL_BYTES_LIMIT
+        ones = [1] * n
+        exchange = lambda b: _c10d().all_to_all_single(b, ones, ones, name)  # noqa: E731
+        if sealed:
+            b = _bytes(inp, n)
+            nb = b.shape[1]
+            spec = _spec(g, "all_to_all", x.shape, x.dtype, extra, "bytes", torch.uint8, nb + 8)
+            t = _begin(b, spec)
+            got = _moved(exchange, torch.cat([b, t.expand(n, 8)], dim=1), t, spec)
+            out = got[:, :nb].contiguous().view(inp.dtype).view(inp.shape)
+        else:
+            spec = _spec(g, "all_to_all", x.shape, x.dtype, extra, None, inp.dtype)
+            t = _begin(inp, spec)
+            out = _moved(exchange, torch.cat([inp.reshape(-1), t]).view(inp.shape), t, spec)
+        if out.dtype != x.dtype:
+            out = out.view(x.dtype).reshape(chunks.shape)
+        if g.g2t is not None:
+            out = out.index_select(0, torch.tensor(g.t2g, device=x.device))
+        chunks = out  # [src, *chunk]
+    else:
+        chunks = chunks.clone()
+    t = chunks.movedim(0, concat_axis)
+    if tiled:
+        t = t.flatten(concat_axis, concat_axis + 1)
+    return t

@@ -1,0 +1,280 @@
+"""torch.compile on the distributed mesh: what each spawned rank runs (see test_dist_compile.py).
+
+Every case compiles with `fullgraph=True` and compares with the same program
+run eagerly on the same ranks: values and gradients bit for bit (AOT
+autograd with the eager kernels, `aot_eager`: it traces the body and its
+functional collectives; Inductor's own arithmetic may differ in the last
+bit, so its case compares with `assert_close`), and the `comm_log` events of
+every call.  Each case returns a list of failures (empty: all good).
+"""
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+
+import torch
+
+import shmap
+from shmap import P
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _capturing(graphs):
+    """aot_eager that keeps the text of every graph it compiles (forward and backward)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return boxed_nop(gm, example_inputs)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def _value(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run(f, args):
+    """(outputs, gradients, comm_log events) of one forward and backward."""
+    args = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+    with shmap.comm_log() as log:
+        outs = f(*args)
+        outs = [_value(o) for o in (outs if isinstance(outs, tuple) else (outs,))]
+        diff = [o for o in outs if o.requires_grad]
+        grads = torch.autograd.grad(diff, [a for a in args if a.requires_grad],
+                                    [torch.cos(torch.ones_like(o)) for o in diff])
+    return [o.detach() for o in outs], list(grads), log.events
+
+
+def _same(name, got, want, exact=True):
+    bad = [] if len(got[0] + got[1]) == len(want[0] + want[1]) else [f"{name}: a different number of values"]
+    for i, (a, b) in enumerate(zip(got[0] + got[1], want[0] + want[1])):
+        ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+        if not ok:
+            bad.append(f"{name}: value {i} differs: {a} vs {b}")
+    if got[2] != want[2]:
+        bad.append(f"{name}: comm_log differs:\n  compiled {got[2]}\n  eager    {want[2]}")
+    return bad
+
+
+# --------------------------------------------------------------------------
+# Every collective, forward and backward
+# --------------------------------------------------------------------------
+def _collectives(x, y, h, k):
+    a = shmap.all_gather_invariant(x, "i", tiled=True)                        # [8, 4]
+    b = shmap.psum_scatter(a * y.sum(), "i", scatter_dimension=0, tiled=True)  # [4, 4]
+    c = shmap.ppermute(b, "i", [(0, 1), (1, 0)]) * shmap.axis_index("i")
+    d = shmap.all_to_all(c, "i", 1, 0, tiled=True)                            # [8, 2]
+    e = shmap.all_gather(d, "i", axis=1, tiled=False)                         # [8, 2, 2] (varying)
+    f = shmap.ppermute(e, "i", [(0, 1)])                                      # rank 0 gets zeros
+    hs = shmap.psum(h, "i")                                                   # bfloat16: summed in float32
+    ks = shmap.psum(k * 1000, "i")                                            # int32: wraps as eagerly
+    loss = shmap.pmean(torch.sin(d).sum() + (f * f).sum() + hs.double().sum(), "i")
+    return loss, shmap.pmax(x, "i") - shmap.pmin(x, "i"), ks
+
+
+def collectives():
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(_collectives, mesh=mesh, in_specs=(P("i"), P("i"), P("i"), P("i")),
+                        out_specs=(P(), P(), P()))
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64),
+            torch.randn(6, generator=g).to(torch.bfloat16).requires_grad_(),
+            torch.full((4,), 2 ** 30, dtype=torch.int32)]
+    want = _run(f, args)
+    graphs = []
+    cf = torch.compile(f, fullgraph=True, backend=_capturing(graphs))
+    bad = []
+    for call in range(2):  # the second call runs the cached graphs: the same events again
+        bad += _same(f"collectives (call {call})", _run(cf, args), want)
+    text = "\n".join(graphs)
+    for op in ("_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
+               "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_to_all_single",
+               "_c10d_functional.wait_tensor", "shmap.coll_begin", "shmap.coll_wait", "shmap.coll_record",
+               "shmap.body_end"):
+        if op not in text:
+            bad.append(f"collectives: no {op} in the compiled graphs")
+    if len(graphs) != 2:
+        bad.append(f"collectives: {len(graphs)} graphs compiled, expected a forward and a backward")
+    kinds = {e.kind for e in want[2]}
+    if not {"all_gather_invariant", "psum_scatter", "ppermute", "all_to_all", "all_gather", "psum", "pmax",
+            "pmin"} <= kinds:
+        bad.append(f"collectives: eager comm_log lacks kinds: {kinds}")
+    return bad
+
+
+# --------------------------------------------------------------------------
+# A training step: loss, torch.autograd.grad, an Adam update, in one graph
+# --------------------------------------------------------------------------
+def _loss(mesh):
+    @shmap.shard_map(mesh=mesh, in_specs=((P("i"), P(), P()), P("i"), P("i")), out_specs=P())
+    def loss(ps, x, t):
+        w0 = shmap.all_gather(ps[0], "i", tiled=True)    # FSDP: its transpose is a psum_scatter
+        h = torch.tanh(x @ w0 + ps[1])
+        return shmap.pmean(((h @ ps[2] - t) ** 2).mean(), "i")   # ps[1], ps[2]: the lift's psum (DP)
+    return loss
+
+
+def _adam_step(loss):
+    def step(ps, mu, nu, x, t, k):
+        value = loss(ps, x, t)
+        grads = torch.autograd.grad(value, ps)
+        b1, b2, lr = 0.9, 0.999, 0.01
+        mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, grads)]
+        nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, grads)]
+        ps = [p - lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + 1e-8) for p, m, v in zip(ps, mu, nu)]
+        return value.detach(), [p.detach() for p in ps], mu, nu
+    return step
+
+
+def training_step(dtensors):
+    """Plain tensors (global values every rank holds) or DTensors laid out as the in_specs."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64),
+          torch.randn(8, 2, generator=g, dtype=torch.float64)]
+    x, t = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+    if dtensors:
+        ps = [shmap.device_put(p, mesh, s) for p, s in zip(ps, (P("i"), P(), P()))]
+        x, t = shmap.device_put(x, mesh, P("i")), shmap.device_put(t, mesh, P("i"))
+    step = _adam_step(_loss(mesh))
+    results = []
+    for compiled in (False, True):
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        state = ([p.detach().clone().requires_grad_() for p in ps], [torch.zeros_like(p) for p in ps],
+                 [torch.zeros_like(p) for p in ps])
+        with shmap.comm_log() as log:
+            with torch._dynamo.config.patch(trace_autograd_ops=True):  # torch.autograd.grad in the graph
+                values = []
+                for k in (1, 2, 3):  # a tensor: a new value is not a recompile
+                    value, *state = fn(*state, x, t, torch.tensor(float(k), dtype=torch.float64))
+                    state[0] = [p.requires_grad_() for p in state[0]]
+                    values.append(_value(value))
+        results.append((values, [_value(p) for p in state[0]], log.events))
+    (v0, p0, e0), (v1, p1, e1) = results
+    name = f"training step ({'DTensor' if dtensors else 'plain tensor'} inputs)"
+    bad = [f"{name}: differs: {a} vs {b}" for a, b in zip(v0 + p0, v1 + p1) if not torch.equal(a, b)]
+    if e0 != e1:
+        bad.append(f"{name}: comm_log differs:\n  compiled {e1}\n  eager    {e0}")
+    if not (e0 and {e.kind for e in e0} == {"all_gather", "psum_scatter", "psum"}):
+        bad.append(f"{name}: unexpected events {e0}")
+    return bad
+
+
+# --------------------------------------------------------------------------
+# Inductor; compiled and eager calls interleaved; the guard in strict mode
+# --------------------------------------------------------------------------
+def inductor():
+    """Inductor's lowering of the functional collectives and the guard ops, forward and backward (three
+    collectives in a row: the guard ops keep their order through Inductor's reorderings); an eager call
+    between two compiled ones (one guard counter, one signature sequence)."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(a, b, c):
+        gather = functools.partial(shmap.all_gather, axis_name="i", tiled=True)
+        return shmap.psum((gather(a) @ gather(b) @ gather(c)).sum(), "i")
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(P("i"), P("i"), P("i")), out_specs=P())
+    g = torch.Generator().manual_seed(2)
+    args = [torch.randn(4, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    want = _run(f, args)
+    cf = torch.compile(f, fullgraph=True)
+    bad = _same("inductor", _run(cf, args), want, exact=False)
+    bad += _same("eager after compiled", _run(f, args), want)
+    bad += _same("inductor again", _run(cf, args), want, exact=False)
+    return bad
+
+
+def strict_mismatch():
+    """Strict checks, a compiled program that differs on rank 1: reported on every rank, before any data
+    moves, and the world goes on."""
+    prev = shmap.configure_distributed(check_collectives="strict")
+    try:
+        mesh = shmap.make_mesh((2,), ("i",))
+        rank = _rank()
+        body = (lambda v: shmap.pmax(v, "i")) if rank == 1 else (lambda v: shmap.psum(v, "i"))
+        f = torch.compile(shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()), fullgraph=True,
+                          backend="aot_eager")
+        try:
+            f(torch.ones(4))
+        except shmap.CollectiveMismatchError as e:
+            msg = str(e)
+            need = ("rank 0: collective #", "psum over 'i'", "rank 1: collective #", "pmax over 'i'")
+            bad = [f"strict mismatch: {n!r} not in: {msg}" for n in need if n not in msg]
+        else:
+            bad = ["strict mismatch: not raised"]
+        ok = shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+        got = torch.compile(ok, fullgraph=True, backend="aot_eager")(torch.arange(4.0)).full_tensor().tolist()
+        if got != [2.0, 4.0]:
+            bad.append(f"strict mismatch: the world did not go on: {got}")
+        return bad
+    finally:
+        shmap.configure_distributed(check_collectives=prev["check_collectives"])
+
+
+# --------------------------------------------------------------------------
+# A hang is not silent: the watched wait inside the compiled graph
+# --------------------------------------------------------------------------
+def hang(slow_rank, timeout):
+    """`slow_rank` never reaches the compiled psum; the others time out naming it."""
+    shmap.configure_distributed(timeout=timeout)
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = torch.compile(shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()),
+                      fullgraph=True, backend="aot_eager")
+    f(torch.ones(4))  # compiled on every rank
+    if _rank() == slow_rank:
+        time.sleep(120)
+    f(torch.ones(4))
+    return "finished"
+
+
+# --------------------------------------------------------------------------
+# The training recipe with --compile (the loss, forward and backward, compiled)
+# --------------------------------------------------------------------------
+def recipe(mesh="fsdp=2", steps=1):
+    """`shmap.train` with `compile=True` on this world gives the eager run's losses, bit for bit.  The
+    recipe calls `torch.compile(loss)`; here with AOT autograd and eager kernels (Inductor on the same
+    recipe is minutes of C++ compilation on two cores; the `inductor` case covers its lowering)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from shmap.train import loop
+    from tests.train.tiny import tiny
+
+    def losses(compile_):
+        r = loop.train(tiny(mesh, steps=steps, compile=compile_), log=lambda *a: None)
+        return [x["train_loss"] for x in r["history"] if "train_loss" in x] + [r["final_val_loss"]]
+
+    eager = losses(False)  # the recipe's `torch.compile(loss)`, with backend="aot_eager":
+    compile_ = torch.compile
+    torch.compile = functools.partial(compile_, backend="aot_eager")
+    try:
+        compiled = losses(True)
+    finally:
+        torch.compile = compile_
+    if len(eager) != steps + 1 or compiled != eager:
+        return [f"recipe --mesh {mesh} --compile: losses {compiled}, eager {eager}"]
+    return []
+
+
+CASES = {"collectives": collectives, "plain step": lambda: training_step(False),
+         "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
+         "recipe": recipe}
+
+
+def run_cases(names=None):
+    bad = []
+    for name in names or CASES:
+        try:
+            bad += CASES[name]()
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    return bad

@@ -1,0 +1,198 @@
+"""Deferred, bucketed gradient reductions on the distributed mesh (importable by spawned ranks).
+
+`run_cases` checks, on every rank, that a data-parallel backward pass
+- gives the simulated mesh's gradients, bucketed or not (`bucket_bytes`);
+- sums several weights' gradients in one all_reduce (DP) or reduce-scatter
+  (FSDP), while comm_log still reports one psum / psum_scatter per weight;
+- launches its reductions before the backward pass ends (overlap);
+- hands back ordinary tensors (no `Deferred` leaves a body's backward), by
+  `torch.autograd.grad` and by `.backward()`, for plain and DTensor inputs;
+- keeps double backward (create_graph) exact.
+Returns a list of failure messages (empty: all passed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shmap
+from shmap import P
+
+N_WEIGHTS = 6
+
+
+class Marker(torch.autograd.Function):
+    """Identity whose backward notes how many all_reduces were launched when it ran."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        Marker.seen.append((_COUNT[0], _FINISHED[0]))
+        return g
+
+
+_COUNT = [0]  # gloo all_reduces launched
+_FINISHED = [0]  # collectives finished (waited for and checked)
+_RS = [0]  # gloo reduce-scatters launched
+
+
+def _counting_finish(finish):
+    def wrapped(self):
+        _FINISHED[0] += 1
+        return finish(self)
+    return wrapped
+
+
+def _counting(fn, counter=None):
+    counter = _COUNT if counter is None else counter
+
+    def wrapped(*args, **kwargs):
+        counter[0] += 1
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def _body(ws, x):
+    h = Marker.apply(torch.tanh(x @ ws[0]))  # its backward runs when only the first layer's is left
+    for w in ws[1:]:
+        h = torch.tanh(h @ w)
+    return shmap.psum(h.sum(), "i")
+
+
+def _fsdp_body(ws, x):
+    h = x
+    for w in ws:  # each weight arrives as row blocks and is gathered for use: its transpose reduce-scatters
+        h = torch.tanh(h @ shmap.all_gather(w, "i", axis=0, tiled=True))
+    return shmap.psum(h.sum(), "i")
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 16, generator=g, dtype=torch.float64) / 4 for _ in range(N_WEIGHTS)]
+
+
+def _data():
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def _grads(mesh, ws, x, bucket_bytes, how="grad"):
+    """(gradients of the weights, gloo all_reduces launched, comm_log kinds, Marker.seen)."""
+    f = shmap.shard_map(_body, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+    prev = shmap.configure_distributed(bucket_bytes=bucket_bytes) if mesh.is_distributed else None
+    _COUNT[0] = _FINISHED[0] = 0
+    Marker.seen.clear()
+    try:
+        leaves = [w.detach().clone().requires_grad_() for w in ws]
+        with shmap.comm_log() as log:
+            out = f(leaves, x)
+            if how == "grad":
+                grads = list(torch.autograd.grad(out if not mesh.is_distributed else out.to_local(), leaves))
+            else:
+                (out if not mesh.is_distributed else out.to_local()).backward()
+                grads = [w.grad for w in leaves]
+    finally:
+        if prev is not None:
+            shmap.configure_distributed(**prev)
+    return grads, _COUNT[0], [e.kind for e in log.events], list(Marker.seen)
+
+
+def run_cases():
+    fails = []
+    from shmap.backends import transports
+
+    dist.all_reduce = _counting(dist.all_reduce)
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    setattr(dist, name, _counting(getattr(dist, name), _RS))
+    transports.InFlight.finish = _counting_finish(transports.InFlight.finish)
+    world = dist.get_world_size()
+    sim = shmap.make_mesh((world,), ("i",), distributed=False)
+    mesh = shmap.make_mesh((world,), ("i",))
+    ws, x = _weights(), _data()
+    ref, _, ref_kinds, _ = _grads(sim, ws, x, None)
+
+    got = {}
+    for bucket in (1, 1 << 20, 16 * 16 * 8 * 2):  # one all_reduce per psum; all in one; two per bucket
+        grads, count, kinds, seen = _grads(mesh, ws, x, bucket)
+        got[bucket] = grads
+        if kinds != ref_kinds:
+            fails.append(f"bucket_bytes={bucket}: comm_log {kinds} != simulated {ref_kinds}")
+        for k, (a, b) in enumerate(zip(grads, ref)):
+            if type(a) is not torch.Tensor:
+                fails.append(f"bucket_bytes={bucket}: weight {k}'s gradient is a {type(a).__name__}")
+            elif not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
+                fails.append(f"bucket_bytes={bucket}: weight {k}'s gradient differs from the simulated mesh's "
+                             f"by {(a - b).abs().max():.3g}")
+        expect = {1: 1 + N_WEIGHTS, 1 << 20: 1 + 1, 16 * 16 * 8 * 2: 1 + N_WEIGHTS // 2}[bucket]
+        if count != expect:
+            fails.append(f"bucket_bytes={bucket}: {count} gloo all_reduces, expected {expect} (the loss's psum "
+                         "and the weights' buckets)")
+        if bucket != 1 << 20 and not (seen and seen[0][0] > 1 and seen[0][1] < seen[0][0]):
+            # the first layer's backward runs last: by then the later layers' buckets are on the wire,
+            # launched but not waited for
+            fails.append(f"bucket_bytes={bucket}: no reduction was in flight when the backward pass reached "
+                         f"the first layer ((launched, finished) by then: {seen})")
+    if world == 2:  # a + b either way: bucketing changes nothing, bit for bit
+        for b in got:
+            if not all(torch.equal(p, q) for p, q in zip(got[b], got[1])):
+                fails.append(f"bucket_bytes={b}: gradients differ from the unbucketed ones")
+
+    # FSDP: the weights' reduce-scatters are bucketed too
+    def fsdp(m, bucket):
+        f = shmap.shard_map(_fsdp_body, mesh=m, in_specs=(P("i"), P("i")), out_specs=P())
+        prev = shmap.configure_distributed(bucket_bytes=bucket) if m.is_distributed else None
+        _RS[0] = 0
+        try:
+            w = [t.detach().clone().requires_grad_() for t in ws]
+            with shmap.comm_log() as log:
+                out = f(w, x)
+                grads = torch.autograd.grad(out.to_local() if m.is_distributed else out, w)
+        finally:
+            if prev is not None:
+                shmap.configure_distributed(**prev)
+        return grads, _RS[0], log.count("psum_scatter")
+
+    ref, _, ref_n = fsdp(sim, None)
+    for bucket, expect in ((1, N_WEIGHTS), (1 << 20, 1)):
+        grads, count, n = fsdp(mesh, bucket)
+        if n != ref_n or count != expect:
+            fails.append(f"FSDP bucket_bytes={bucket}: {count} gloo reduce-scatters (expected {expect}), comm_log "
+                         f"{n} psum_scatters (simulated {ref_n})")
+        for k, (a, b) in enumerate(zip(grads, ref)):
+            if type(a) is not torch.Tensor or not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
+                fails.append(f"FSDP bucket_bytes={bucket}: weight {k}'s gradient is a {type(a).__name__} or "
+                             "differs from the simulated mesh's")
+
+    # .backward() accumulates ordinary tensors into .grad
+    grads, _, _, _ = _grads(mesh, ws, x, 1 << 20, how="backward")
+    for k, (a, b) in enumerate(zip(grads, ref)):
+        if type(a) is not torch.Tensor or not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
+            fails.append(f".backward(): weight {k}'s .grad is a {type(a).__name__} or differs")
+
+    # DTensor inputs: the gradient's local tensor is ordinary
+    f = shmap.shard_map(_body, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+    dws = [shmap.device_put(w, mesh, P()).requires_grad_() for w in ws]
+    gs = torch.autograd.grad(f(dws, shmap.device_put(x, mesh, P("i"))).to_local(), dws)
+    for k, (a, b) in enumerate(zip(gs, ref)):
+        loc = a.to_local()
+        if type(loc) is not torch.Tensor or not torch.allclose(loc, b, rtol=1e-12, atol=1e-14):
+            fails.append(f"DTensor input: weight {k}'s gradient holds a {type(loc).__name__} or differs")
+
+    # double backward: the reductions stay differentiable
+    def second(m):
+        g = shmap.shard_map(_body, mesh=m, in_specs=(P(), P("i")), out_specs=P())
+        w = [t.detach().clone().requires_grad_() for t in ws]
+        out = g(w, x)
+        out = out.to_local() if m.is_distributed else out
+        (d0,) = torch.autograd.grad(out, [w[0]], create_graph=True)
+        (dd,) = torch.autograd.grad(d0.sum(), [w[1]])
+        return dd
+
+    a, b = second(mesh), second(sim)
+    if not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
+        fails.append(f"second derivative differs from the simulated mesh's by {(a - b).abs().max():.3g}")
+    return fails

@@ -1,0 +1,44 @@
+"""torch.compile of shard_mapped functions and training steps on 2 gloo processes (dist_compile.py).
+
+Compiled equals eager: values and gradients bit for bit, and the comm_log
+events of every call; the graphs contain torch's functional collectives and
+shmap's guard ops.  A rank that never arrives at a compiled collective is
+named by the others (the watched wait runs inside the graph), and the
+training recipe's `--compile` gives the eager losses on the distributed mesh.
+The recipe case compiles with AOT autograd and eager kernels (Inductor on
+the same recipe takes minutes on two cores; the `inductor` case covers the
+Inductor lowering of the collectives and the guard ops).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dist_compile  # noqa: E402
+import shmap  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+
+def test_compiled_collectives_training_steps_and_the_recipe_equal_eager():
+    results = shmap.spawn(dist_compile.run_cases, nprocs=2, timeout=120)
+    assert results[0] == [], "\n\n".join(results[0])
+    assert results[1] == [], "\n\n".join(results[1])
+
+
+def test_a_rank_that_never_arrives_at_a_compiled_collective_is_named():
+    t0 = time.monotonic()
+    with pytest.raises(shmap.SpawnError) as info:
+        shmap.spawn(dist_compile.hang, 1, 2.0, nprocs=2, timeout=60, grace=2.0)
+    assert time.monotonic() - t0 < 60
+    err = info.value
+    assert err.errors[1][0] == "Killed", err
+    name, msg, _ = err.errors[0]
+    assert name == "CollectiveTimeoutError", (name, msg)
+    assert "rank 1: not waiting in any collective" in msg and "psum over 'i'" in msg, msg
