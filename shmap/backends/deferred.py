@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from .config import _OPTIONS
+from .traced import tracing
 from .transports import _chunks, _contiguous_strides, _launch_all_reduce, _launch_psum_scatter
 
 
@@ -76,7 +77,7 @@ def arrived(t):
 def _deferrable(ct) -> bool:
     return (not torch.is_grad_enabled() and type(ct) is torch.Tensor
             and not torch._C._functorch.is_functorch_wrapped_tensor(ct) and not torch.compiler.is_compiling()
-            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None)
+            and not tracing())
 
 
 # --------------------------------------------------------------------------
