@@ -26,9 +26,12 @@ def torchrun(script, *args, nproc=4, timeout=150):
     return p, time.monotonic() - t0
 
 
-def _alive(script) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if str(script) in line and "ps -eo" not in line]
+def _alive(script, *args) -> list[str]:
+    """Processes still running `script` with these arguments (full command lines: `ps -ww`, which does not
+    cut them at 80 columns, so another case's processes are not mistaken for this one's)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    want = " ".join([str(script), *map(str, args)])
+    return [line for line in out.splitlines() if want in line and "ps -ww" not in line]
 
 
 def test_the_documented_example_runs_under_torchrun():
@@ -78,7 +81,7 @@ def test_faults_under_torchrun_end_every_rank_naming_the_culprit(case, named):
     assert _root_cause(out) == "1", out[-3000:]
     if case == "return_before_first":  # rank 1 heard that the others failed waiting for it
         assert "shmap: rank 1 finished its program" in out and "because this rank ended early" in out
-    assert not _alive(script), _alive(script)
+    assert not _alive(script, case), _alive(script, case)
     # What bounds the job is shmap's detection (the rest is starting 3 Pythons with torch on 2 cores).
     assert elapsed < 60, f"{elapsed:.0f} s"
 
