@@ -232,7 +232,8 @@ def _launch_all_reduce(x, g: Group, kind):
     wire = _reduce_dtype(head, kind)
     dist = _dist()
     shm = g.shm(head) if kind == "psum" else None
-    if shm is not None:
+    flight = None
+    if shm is not None:  # completes here
         x = torch.cat(x) if isinstance(x, list) else x
         out = x.to(dtype=wire or x.dtype, memory_format=torch.contiguous_format, copy=True)
         _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_reduce(out, out=out))
@@ -241,8 +242,7 @@ def _launch_all_reduce(x, g: Group, kind):
         buf, out, seal = _sealed_reduce(x, wire or head.dtype, g, kind)  # a fresh copy (+ the signature trailer)
         flight = _start(g, kind, shape, head.dtype,
                         lambda pg: dist.all_reduce(buf, op=op, group=pg, async_op=True), seal=seal)
-        return flight, (lambda: out) if wire is None else (lambda: out.to(head.dtype))
-    return None, (lambda: out) if wire is None else (lambda: out.to(head.dtype))
+    return flight, (lambda: out) if wire is None else (lambda: out.to(head.dtype))
 
 
 def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
