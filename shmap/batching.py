@@ -100,18 +100,23 @@ def _sdpa_4d(qkv):
     lead = tuple(qkv[0].shape[:-2])
     if all(tuple(t.shape[:-2]) == lead for t in qkv):
         for j in range(len(lead) - 1, -1, -1):
-            shape = (math.prod(lead[:j]), math.prod(lead[j:]))
-            views = [_view_or_none(t, shape + tuple(t.shape[-2:])) for t in qkv]
-            if all(v is not None for v in views):
-                return views
+            if all(_merges(t, 0, j) and _merges(t, j, len(lead)) for t in qkv):
+                shape = (math.prod(lead[:j]), math.prod(lead[j:]))
+                return [t.view(shape + tuple(t.shape[-2:])) for t in qkv]
     return [t.reshape((-1,) + tuple(t.shape[-3:])) for t in qkv]
 
 
-def _view_or_none(t, shape):
-    try:
-        return t.view(shape)
-    except (RuntimeError, ValueError):  # (fake tensors under torch.compile raise ValueError)
-        return None
+def _merges(t, lo, hi):
+    """Whether dims lo..hi-1 of `t` merge into one as a view (size-1 dims aside)."""
+    size, stride = t.shape, t.stride()
+    last = None
+    for d in range(hi - 1, lo - 1, -1):
+        if size[d] == 1:
+            continue
+        if last is not None and stride[d] != stride[last] * size[last]:
+            return False
+        last = d
+    return True
 
 
 def _sdpa_ok(args, kwargs, batched, out_paxes):

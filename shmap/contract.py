@@ -77,7 +77,7 @@ class Contract(torch.autograd.Function):
         need_a, need_b = ctx.needs_input_grad[3:5]
         need_l, need_r = (need_b, need_a) if plan.swap else (need_a, need_b)
         t = _aligned(g, so, plan.common, plan.lro + plan.lo + plan.ro)
-        if torch._C._functorch.is_batchedtensor(g):  # autograd.grad(is_grads_batched=True): no strides
+        if not _has_storage(g):  # autograd.grad(is_grads_batched=True): a batched view, no strides to read
             g3, nb, mm = t.reshape(plan.n_lro, plan.n_lo, plan.n_ro), [plan.n_lro], lambda x, y, _: torch.bmm(x, y)
         else:
             g3, nb, mm = _grad_3d(t, plan), plan.nb, _bmm
@@ -182,6 +182,14 @@ def _grad_3d(t, plan):
     if _batch_view(per, nb) is None and not (_row_major(per) and _aligned_like_a_copy(per, nb)):
         per = per.contiguous()
     return per
+
+
+def _has_storage(t):
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _row_major(t):

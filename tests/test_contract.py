@@ -109,3 +109,25 @@ def test_row_parallel_projection_gradients_unchanged_and_its_cotangent_not_copie
     for a, b in zip(got, expect):
         assert torch.equal(a, b)
     torch.testing.assert_close(got[0], x @ w)
+
+
+def test_batched_cotangents_and_second_order_through_a_row_parallel_projection():
+    """autograd.grad(is_grads_batched=True) hands the backward batched cotangents (no storage to
+    read in place) and create_graph differentiates the backward itself: both as plain torch."""
+    mesh = shmap.make_mesh((2, 2), ("F", "T"))
+    torch.manual_seed(4)
+    x = torch.randn(4, 8, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    body = lambda a, b: shmap.psum(a @ shmap.all_gather(b, "F", axis=1, tiled=True), "T")  # noqa: E731
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(P("F", None, "T"), P("T", "F")), out_specs=P("F"))
+    out = f(x, w)
+    gs = torch.randn(3, *out.shape, dtype=torch.float64)
+    bx, bw = torch.autograd.grad(out, (x, w), gs, is_grads_batched=True, retain_graph=True)
+    each = [torch.autograd.grad(out, (x, w), g, retain_graph=True) for g in gs]
+    torch.testing.assert_close(bx, torch.stack([e[0] for e in each]))
+    torch.testing.assert_close(bw, torch.stack([e[1] for e in each]))
+    gx, = torch.autograd.grad(f(x, w).square().sum(), (x,), create_graph=True)
+    hw, = torch.autograd.grad(gx.sum(), (w,))
+    rx, rw = x.detach().requires_grad_(), w.detach().requires_grad_()
+    gr, = torch.autograd.grad((rx @ rw).square().sum(), (rx,), create_graph=True)
+    torch.testing.assert_close(hw, torch.autograd.grad(gr.sum(), (rw,))[0])
