@@ -30,6 +30,7 @@ from .errors import (
     InPlaceInputError,
     ShmapError,
     SpecError,
+    TransformError,
     UnboundAxisError,
     VaryingControlFlowError,
     VmaError,
@@ -38,6 +39,7 @@ from .mesh import Mesh, P, PartitionSpec, make_mesh
 from .shard_map import shard_map
 from . import interop  # noqa: F401  (autograd.Function and torch.func on body values)
 from .pmap import pmap
+from .jit import JitError, jit
 from .backends.watchdog import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -50,13 +52,13 @@ from .launch import SpawnError, spawn
 from . import kernels  # noqa: E402  (remote copies, semaphores, the verifying interpreter)
 
 __all__ = [
-    "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map", "pmap",
+    "Mesh", "make_mesh", "P", "PartitionSpec", "shard_map", "pmap", "jit",
     "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_gather", "all_gather_invariant",
     "ppermute", "pshuffle", "all_to_all", "axis_index", "axis_size", "pvary", "pcast", "vma",
     "unreduced_axes",
     "comm_log", "CommLog", "CommEvent",
     "ShmapError", "SpecError", "VmaError", "UnboundAxisError", "CollectiveShapeError",
-    "CollectiveArgumentError", "VaryingControlFlowError", "InPlaceInputError",
+    "CollectiveArgumentError", "VaryingControlFlowError", "InPlaceInputError", "JitError", "TransformError",
     "device_put", "visualize_sharding", "configure_distributed", "spawn",
     "DistributedError", "RankFailedError", "CollectiveMismatchError", "CollectiveTimeoutError", "SpawnError",
     "kernels",

@@ -23,6 +23,7 @@ from torch._C._functorch import (
 )
 
 from . import contract
+from .errors import op_name
 
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -369,6 +370,30 @@ def level_plan(out_paxes, batched):
 _PLANS: dict = {}
 
 
+def run_op(func, leaves, treedef, batched, union, inplace, body):
+    """The simulated backend's `run_op`: `func` on the physical leaves, once for all devices.
+
+    `batched` lists (leaf index, its device axes); the result has a leading dim per axis of
+    `union` (the op's type), in mesh order.  A hand-written direct form (`DIRECT`), else the op
+    itself where broadcasting lines the device dims up (`direct_ok`), else `run_batched`; an
+    in-place op always runs batched.  Returns (result, its device axes).
+    """
+    out_paxes = body.order(union)
+    if not batched or inplace:
+        return run_batched(func, leaves, treedef, batched, out_paxes, body), out_paxes
+    direct = DIRECT.get(func)
+    if direct is not None:
+        args, kwargs = unflatten(treedef, leaves)
+        if direct[0](args, kwargs, batched, out_paxes):
+            return direct[1](batched, out_paxes, *args, **kwargs), out_paxes  # a hand-written form
+        if direct_ok(func, leaves, batched, out_paxes):
+            return func(*args, **kwargs), out_paxes
+    elif direct_ok(func, leaves, batched, out_paxes):
+        args, kwargs = unflatten(treedef, leaves)
+        return func(*args, **kwargs), out_paxes  # device dims broadcast like leading dims: no vmap
+    return run_batched(func, leaves, treedef, batched, out_paxes, body), out_paxes
+
+
 def run_batched(func, leaves, treedef, batched, out_paxes, body):
     """`func` on the physical leaves under one functorch vmap level per device axis (`level_plan`),
     its decomposition where torch has no batching rule (`run`); the device dims come back leading,
@@ -393,7 +418,7 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
         except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
             if hasattr(e, "add_note"):
                 e.add_note(
-                    f"(shmap: raised while running {fname(func)} batched over the devices of mesh "
+                    f"(shmap: raised while running {op_name(func)} batched over the devices of mesh "
                     f"{body.describe()}; per-device shapes are the logical ones.)"
                 )
             raise
@@ -409,12 +434,3 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
     finally:
         for _ in levels:
             _vmap_decrement_nesting()
-
-
-def fname(func) -> str:
-    """How an error message names `func` (torch.add, Tensor.sum, a user's function)."""
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    mod = getattr(func, "__module__", "") or ""
-    if mod.startswith("torch") and not name.startswith("Tensor"):
-        return f"torch.{name}" if "." not in name else name
-    return name

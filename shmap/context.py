@@ -44,8 +44,15 @@ class Body:
         self._orders = {}
 
     def order(self, axes) -> tuple:
-        """`axes` (any iterable of names) in mesh order; cached per frozenset."""
-        got = self._orders.get(axes)
+        """`axes` (any collection of this body's axis names) in mesh order: the one function for it.
+
+        Physical device dims, process groups and messages all list axes this way.  Cached per
+        hashable argument (the hot path passes a value's frozenset type).
+        """
+        try:
+            got = self._orders.get(axes)
+        except TypeError:  # a set or a dict: unhashable
+            return tuple(a for a in self.axes if a in axes)
         if got is None:
             got = tuple(a for a in self.axes if a in axes)
             self._orders[axes] = got

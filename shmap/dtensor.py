@@ -131,11 +131,59 @@ def _contiguous_stride(shape) -> tuple:
 # The shard_map boundary on a distributed mesh
 # --------------------------------------------------------------------------
 def local_block(x, mesh: Mesh, spec: PartitionSpec):
-    """This rank's block of DTensor `x` laid out as `spec` (no data movement), or a clear error."""
-    from .backends.distributed import check_dtensor_layout
+    """This rank's block of DTensor `x` laid out as `spec` (no data movement), or a clear error.
 
-    check_dtensor_layout(x, mesh, spec, placements(mesh, spec))
-    return x.to_local()
+    `DTensor.to_local` is an autograd Function even without autograd, and its
+    backward builds each gradient with `DTensor.from_local` (a new spec, a
+    stride computation and another Function per weight).  A step over many
+    small tensors pays for that at every boundary, so: without autograd the
+    local tensor itself; with it, `_ToBlock`, whose backward wraps the
+    cotangent on a cached spec.  A pending sum (`Partial`, whose gradient
+    placement differs) keeps DTensor's own path.
+    """
+    pls = placements(mesh, spec)
+    s = x._spec
+    if s.mesh is not mesh.device_mesh or s.placements != pls:
+        from .backends.distributed import check_dtensor_layout
+
+        check_dtensor_layout(x, mesh, spec, pls)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x._local_tensor
+    if spec.unreduced:
+        return x.to_local()
+    return _ToBlock.apply(x, mesh, spec)
+
+
+class _ToBlock(torch.autograd.Function):
+    """DTensor -> its local block (a view); backward: the cotangent as a DTensor with `x`'s layout."""
+
+    @staticmethod
+    def forward(x, mesh, spec):
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.mesh, ctx.spec = inputs
+        ctx.shape = tuple(x.shape)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None, None
+        if not torch.is_grad_enabled() and g.is_contiguous():
+            from torch.distributed.tensor import DTensor
+
+            return DTensor(g, _dtensor_spec(ctx.mesh, ctx.spec, ctx.shape, g.dtype), requires_grad=False), None, None
+        # A graph of the backward (create_graph) or a strided cotangent: DTensor's own, differentiable path.
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+
+        _, stride = compute_global_tensor_info(g, ctx.mesh.device_mesh, placements(ctx.mesh, ctx.spec))
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(g, ctx.mesh.device_mesh, placements(ctx.mesh, ctx.spec), run_check=False,
+                                  shape=torch.Size(ctx.shape), stride=tuple(stride)), None, None
 
 
 def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):

@@ -39,6 +39,11 @@ class InPlaceInputError(ShmapError, RuntimeError):
     """An in-place op would update a body value that aliases the caller's data (an argument)."""
 
 
+class TransformError(ShmapError, NotImplementedError):
+    """A torch.func transform applied where the distributed mesh cannot carry it (from outside a
+    shard_mapped function: its outputs are DTensors)."""
+
+
 class DistributedError(ShmapError, RuntimeError):
     """A distributed mesh could not complete a collective (base class)."""
 
@@ -62,9 +67,9 @@ def fmt_axes(axes) -> str:
     return "(" + ", ".join(repr(a) for a in axes) + ")"
 
 
-def fmt_vma(vma, mesh_order=None) -> str:
-    if mesh_order is not None:
-        vma = [a for a in mesh_order if a in vma]
+def fmt_vma(vma, order=None) -> str:
+    if order is not None:
+        vma = [a for a in order if a in vma]
     else:
         vma = sorted(vma)
     return "{" + ", ".join(repr(a) for a in vma) + "}"

@@ -7,27 +7,26 @@ axes *and* its parent's (a collective over 'i' works inside it, on the same
 devices), so its values are typed over both: a value entering from the outer
 body keeps its variance along 'i' and gains the axes its in_spec splits.
 
-On the simulated mesh this is a change of layout only.  An outer value is
-`[outer varying axes] + logical`; the inner in_spec cuts logical dimensions
-into blocks whose device dims join the leading ones in mesh order, and the
-out_spec puts them back.  Both are views (reshape + permute), so autograd
-differentiates through the nesting as through any op, with the collectives
-the body performs recorded as usual.
+This module types and checks; the backend moves the data (`enter_nested` /
+`exit_nested` of `backends/protocol.py`).  On the simulated mesh that is a
+change of layout only: an outer value is `[outer varying axes] + logical`; the
+inner in_spec cuts logical dimensions into blocks whose device dims join the
+leading ones in mesh order, and the out_spec puts them back.  Both are views
+(reshape + permute), so autograd differentiates through the nesting as through
+any op, with the collectives the body performs recorded as usual.  On the
+distributed mesh entering takes this rank's block and leaving gathers them.
 
 `pmap` nests the same way: an inner pmap *extends* its parent's mesh by one
 axis (its own), which is scoped to the inner call.
 """
 from __future__ import annotations
 
-import math
-
 import optree
-import torch
 
 from . import context
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh
-from .tensor import ShTensor, expand_to, mesh_order
+from .tensor import ShTensor
 
 
 def same_mesh(a: Mesh, b: Mesh) -> bool:
@@ -95,10 +94,10 @@ def inner_body(mesh: Mesh, manual: tuple, parent: context.Body, check_vma: bool,
             f"{api}: a nested shard_map needs check_vma=True on both levels (typed values tell the inner "
             "body which outer axes each value varies along). Fix: drop check_vma=False."
         )
-    if parent.backend.batched != backend.batched:
+    if parent.backend.name != backend.name:
         raise SpecError(
-            f"{api}: the inner mesh {mesh.describe()} is {'simulated' if backend.batched else 'distributed'} but "
-            f"the enclosing body's is not. Fix: build both meshes the same way."
+            f"{api}: the inner mesh {mesh.describe()} is {backend.name} but the enclosing body's is "
+            f"{parent.backend.name}. Fix: build both meshes the same way."
         )
     axes = tuple(a for a in mesh.axis_names if a in parent.axes or a in manual)
     return context.Body(mesh=mesh, axes=axes, check_vma=True, backend=backend, parent=parent, own=tuple(manual))
@@ -106,30 +105,14 @@ def inner_body(mesh: Mesh, manual: tuple, parent: context.Body, check_vma: bool,
 
 def enter(value: ShTensor, spec, body) -> ShTensor:
     """A parent body's value -> this body's: split the logical dims the spec names (a view)."""
-    if not body.backend.batched:
-        return _enter_distributed(value, spec, body)
-    phys, paxes = value._phys, value._paxes
-    k = len(paxes)
-    logical = phys.shape[k:]
-    shape = list(phys.shape[:k])
-    pos = {a: i for i, a in enumerate(paxes)}
-    for d, size in enumerate(logical):
-        axes = spec.dim_axes(d)
-        for a in axes:
-            pos[a] = len(shape)
-            shape.append(body.sizes[a])
-        shape.append(size // math.prod(body.sizes[a] for a in axes))
-    new = mesh_order(pos, body)
-    lead = [pos[a] for a in new]
-    rest = [i for i in range(len(shape)) if i not in lead]
-    phys = phys.reshape(shape).permute(lead + rest)
+    phys, paxes = body.backend.enter_nested(value._phys, value._paxes, spec, body)
     vma = value._vma | frozenset(spec.axes())
     unreduced = value._unreduced
     if spec.unreduced:
-        phys, new = body.backend.unreduced_input(phys, new, body.order(spec.unreduced), body)
+        phys, paxes = body.backend.unreduced_input(phys, paxes, body.order(spec.unreduced), body)
         vma = vma | spec.unreduced
         unreduced = unreduced | spec.unreduced
-    return ShTensor(phys, new, vma, body, unreduced)
+    return ShTensor(phys, paxes, vma, body, unreduced)
 
 
 def exit(path, value, spec, body, mesh, fname):
@@ -156,68 +139,9 @@ def exit(path, value, spec, body, mesh, fname):
     extra = [a for a in body.own if a in varying and a not in named]
     if extra:
         raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
-    if not body.backend.batched:
-        return _exit_distributed(x, spec, body, own, named)
-    phys, paxes, vma_ = x._phys, x._paxes, x._vma
-    if own_unred:
-        phys, paxes = body.backend.unreduced_output(phys, paxes, body.order(own_unred), body)
-        vma_ = vma_ - own_unred
-    tiled = body.order(frozenset(a for a in named if a not in vma_))
-    if tiled:  # JAX's implicit pvary of an invariant value tiled into a mapped output
-        phys, paxes = body.backend.pvary(phys, paxes, tiled, body, x.shape)
-    sizes = body.sizes
-    target = mesh_order(set(paxes) | named, body)
-    phys = expand_to(phys, paxes, target, sizes)
-    keep = tuple(a for a in target if a not in named)
-    k = len(target)
-    perm = [target.index(a) for a in keep]
-    out_shape = [sizes[a] for a in keep]
-    for d, size in enumerate(x.shape):
-        axes = spec.dim_axes(d)
-        perm.extend(target.index(a) for a in axes)
-        perm.append(k + d)
-        out_shape.append(size * math.prod(sizes[a] for a in axes))
-    out = phys.permute(perm).reshape(out_shape)
-    return ShTensor(out, keep, frozenset(keep), parent, x._unreduced - own)
-
-
-# --------------------------------------------------------------------------
-# Distributed mesh: a parent body's value is whole along the axes it leaves
-# free (each rank of those axes computes it redundantly), so entering takes
-# this rank's block (a view; the transpose gathers the cotangent's blocks) and
-# leaving gathers the blocks along the named axes (transpose: the own block).
-# That gather is boundary traffic, not a collective of the program: comm_log
-# does not list it, as for a plain input's gradient.
-# --------------------------------------------------------------------------
-def _enter_distributed(value, spec, body):
-    from .backends.distributed import TakeBlock, _grad, _take_block
-
-    if spec.unreduced:
-        raise SpecError(
-            f"shard_map: unreduced in_specs of a nested shard_map on a distributed mesh are not supported "
-            f"(spec {spec}). Fix: pass the value reduced, or use a simulated mesh."
-        )
-    backend = body.backend
-    phys = value._phys
-    if spec.axes():
-        phys = TakeBlock.apply(phys, backend, spec, body) if _grad(phys) else _take_block(
-            phys, backend._block_starts(spec, phys.shape))
-    return ShTensor(phys, (), value._vma | frozenset(spec.axes()), body, value._unreduced)
-
-
-def _exit_distributed(x, spec, body, own, named):
-    from .backends.distributed import AssembleBlocks, _assemble_blocks, _grad
-
-    if x._unreduced & own:
-        raise SpecError(
-            "shard_map: an unreduced output of a nested shard_map on a distributed mesh is not supported. "
-            "Fix: psum it in the inner body."
-        )
-    phys = x._phys
+    # JAX's implicit pvary of an invariant value tiled into a mapped output (named axes are
+    # never unreduced ones, so the pending sum does not change which)
     tiled = body.order(frozenset(a for a in named if a not in x._vma))
-    if tiled:
-        phys, _ = body.backend.pvary(phys, (), tiled, body, x.shape)
-    if named:
-        phys = AssembleBlocks.apply(phys, body.backend, spec, body) if _grad(phys) else _assemble_blocks(
-            phys, body.backend, spec, body)
-    return ShTensor(phys, (), x._vma - own, body.parent, x._unreduced - own)
+    phys, paxes = body.backend.exit_nested(x._phys, x._paxes, spec, body, x.shape, own_unred, tiled)
+    # every own axis it varied along is named (checked above) or was pending: whole along all of them now
+    return ShTensor(phys, paxes, x._vma - own, parent, x._unreduced - own)

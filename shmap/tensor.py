@@ -21,89 +21,24 @@ lifted by a *physical no-op* that only changes its type (the batched op then
 broadcasts it, e.g. one GEMM for `x_blocks @ w`).  The backward of that no-op
 receives the cotangent already summed over devices by the batched op's own
 backward; it is recorded as the `psum` a real device would perform.
+
+On the distributed mesh `_phys` is this device's block (`_paxes == ()`) and the
+type is metadata checked by the same rules.  Where the two differ, `_dispatch`
+asks the body's backend (`backends/protocol.py`): `lift` for the automatic
+`pvary`, `run_op` to execute an op on the physical values.
+
+Beside this module: `recording.py` (`LogComm`: the autograd node that records
+a collective and its transpose), `special.py` (the functions that need a
+value's meaning rather than batching: metadata, `.grad`, `backward`, `repr`,
+`bool()`; the `_SPECIAL` table).
 """
 from __future__ import annotations
-
-import itertools
 
 import optree
 import torch
 
-from . import batching, comm, context, ops, unreduced
-from .batching import fname as _fname
-from .errors import VmaError, fmt_vma, inplace_input, varying_control_flow
-
-
-# --------------------------------------------------------------------------
-# Recording identity: the autograd node that logs a collective and its
-# transpose.  Physical data movement is done by plain torch ops around it.
-# --------------------------------------------------------------------------
-class LogComm(torch.autograd.Function):
-    """Identity that records `fwd` when run and `bwd` when transposed.
-
-    Its backward is itself with the events swapped, so transposing any number
-    of times records the right collective each time (second order included).
-    """
-
-    generate_vmap_rule = True  # torch.func transforms of a shard_mapped function (from outside)
-
-    @classmethod
-    def apply(cls, *args):
-        # Function.apply binds the arguments of a Function with setup_context to forward's
-        # signature (inspect.signature, ~70 us) on every call, to fill in defaults; there are none
-        # here and every call passes all three. Under a torch.func transform the full path runs.
-        if torch._C._are_functorch_transforms_active():
-            return _FUNCTION_APPLY(cls, *args)
-        return _C_APPLY.__get__(None, cls)(*args)
-
-    @staticmethod
-    def forward(x, fwd, bwd):
-        if fwd is not None:
-            ops.record(fwd, x)
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.events = (inputs[1], inputs[2])
-
-    @staticmethod
-    def jvp(ctx, t, _fwd, _bwd):
-        # Forward mode: the tangent goes through the same collective as the primal.
-        fwd = ctx.events[0]
-        if fwd is not None:
-            ops.record(fwd, t)
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g):
-        fwd, bwd = ctx.events
-        # Without create_graph this only records (no node is built).
-        return log_comm(g, bwd, fwd), None, None
-
-
-_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
-
-
-def log_comm(phys, fwd, bwd):
-    """Attach the (forward, transpose) communication events to `phys`."""
-    if fwd is None and bwd is None:
-        return phys
-    if not (torch.is_grad_enabled() and phys.requires_grad):
-        if fwd is not None:
-            ops.record(fwd, phys)
-        return phys
-    return LogComm.apply(phys, fwd, bwd)
-
-
-def event(kind, axes, logical_shape, dtype):
-    # int(): under torch.compile with dynamic shapes a size may be symbolic; an event reports
-    # concrete bytes, so its sizes are specialised (guarded) in the compiled graph.
-    shape = tuple(int(s) for s in logical_shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    return comm.CommEvent(kind, tuple(axes), numel * dtype.itemsize, shape, str(dtype))
+from . import batching, context, unreduced
+from .errors import VmaError, fmt_vma, inplace_input, op_name
 
 
 # --------------------------------------------------------------------------
@@ -121,13 +56,14 @@ def expand_to(phys: torch.Tensor, paxes: tuple, target: tuple, sizes: dict) -> t
     return t.expand(*lead, *t.shape[len(target):])
 
 
-def mesh_order(axes, body) -> tuple:
-    return tuple(a for a in body.axes if a in axes)
-
-
 # --------------------------------------------------------------------------
 # The body value
 # --------------------------------------------------------------------------
+#: func -> handler(func, args, kwargs) for functions that need a body value's meaning, not
+#: batching (`.shape`, `.grad`, `backward`, `repr`, `bool()`); filled by special.py
+_SPECIAL: dict = {}
+
+
 class ShTensor(torch.Tensor):
     """A per-device value inside a shard_map body (simulated mesh)."""
 
@@ -165,11 +101,6 @@ class ShTensor(torch.Tensor):
             if out is not None:
                 return out
         return _dispatch(func, args, kwargs)
-
-
-
-def wrap(phys, paxes, vma, body) -> ShTensor:
-    return ShTensor(phys, paxes, vma, body)
 
 
 def vma(x) -> frozenset:
@@ -218,7 +149,7 @@ def lift(x, target: frozenset, body):
 
 
 def _lift_phys(phys, logical_shape, added, body):
-    return body.backend.lift(phys, logical_shape, mesh_order(added, body), body)
+    return body.backend.lift(phys, logical_shape, body.order(added), body)
 
 
 # --------------------------------------------------------------------------
@@ -278,11 +209,13 @@ def _dispatch(func, args, kwargs):
 
     if kwargs and kwargs.get("out") is not None:
         raise TypeError(
-            f"{_fname(func)}: `out=` is not supported inside a shard_map body. "
+            f"{op_name(func)}: `out=` is not supported inside a shard_map body. "
             "Fix: assign the result instead, e.g. `y = torch.add(a, b)`."
         )
 
-    inplace = _is_inplace(func)
+    inplace = _INPLACE_CACHE.get(func)
+    if inplace is None:
+        inplace = _is_inplace(func)
     self_val = args[0] if inplace and args else None
     if inplace:
         _check_inplace(func, self_val, union, body)
@@ -291,7 +224,7 @@ def _dispatch(func, args, kwargs):
 
     if body is None:  # body values hidden in a container torch cannot see into
         raise TypeError(
-            f"{_fname(func)}: got shard_map body values inside an argument structure shmap cannot "
+            f"{op_name(func)}: got shard_map body values inside an argument structure shmap cannot "
             "traverse. Fix: pass tensors directly or in lists, tuples or dicts."
         )
     out_unreduced = _EMPTY
@@ -300,7 +233,6 @@ def _dispatch(func, args, kwargs):
         has_number = any(isinstance(v, (int, float, complex)) and not isinstance(v, bool) and v != 0
                          for v in args[1:])
         out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number)
-    out_paxes = body.order(union) if body.backend.batched else ()
     batched = []
     for k in tensor_idx:
         leaf = leaves[k]
@@ -313,18 +245,7 @@ def _dispatch(func, args, kwargs):
         elif union and not (inplace and leaf is self_val):
             leaves[k] = lift(leaf, union, body)
 
-    if not batched or inplace:
-        out = batching.run_batched(func, leaves, treedef, batched, out_paxes, body)
-    else:
-        direct = batching.DIRECT.get(func)
-        if direct is not None and direct[0](*batching.unflatten(treedef, leaves), batched, out_paxes):
-            args, kwargs = batching.unflatten(treedef, leaves)
-            out = direct[1](batched, out_paxes, *args, **kwargs)  # a hand-written form over the device dims
-        elif batching.direct_ok(func, leaves, batched, out_paxes):
-            args, kwargs = batching.unflatten(treedef, leaves)
-            out = func(*args, **kwargs)  # device dims broadcast like ordinary leading dims: no vmap needed
-        else:
-            out = batching.run_batched(func, leaves, treedef, batched, out_paxes, body)
+    out, out_paxes = body.backend.run_op(func, leaves, treedef, batched, union, inplace, body)
 
     if inplace:
         if isinstance(self_val, ShTensor):
@@ -394,11 +315,12 @@ def _join_bodies(func, body, b):
 
 
 def _check_traced_closure(func, t):
-    """Under torch.compile a tensor closed over by a body is invisible to Dynamo (see compile.py)."""
+    """Traced (torch.compile, shmap.jit), a tensor closed over by a body is invisible to the capture
+    (see compile.py)."""
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         raise VmaError(
-            f"{_fname(func)}: a shard_map body compiled with torch.compile uses a tensor of shape "
-            f"{tuple(t.shape)} it closes over. torch.compile puts a shard_mapped call in its graph as one "
+            f"{op_name(func)}: a shard_map body traced by torch.compile or shmap.jit uses a tensor of shape "
+            f"{tuple(t.shape)} it closes over. A capture puts a shard_mapped call in its graph as one "
             "node and sees only its arguments. Fix: pass the tensor as an argument with in_spec P() "
             "(replicated), e.g. shard_map(f, in_specs=(..., P()))(..., w)."
         )
@@ -407,12 +329,12 @@ def _check_traced_closure(func, t):
 def _bad_body(func, body, b):
     if not b.active:
         raise VmaError(
-            f"{_fname(func)}: a value from a shard_map body that has already returned was used. "
+            f"{op_name(func)}: a value from a shard_map body that has already returned was used. "
             "Body values only exist while their body runs. Fix: return it from the body "
             "(with an out_spec) and use the global result instead."
         )
     raise VmaError(
-        f"{_fname(func)}: operands come from two different shard_map bodies "
+        f"{op_name(func)}: operands come from two different shard_map bodies "
         f"(meshes {body.describe()} and {b.describe()}). Fix: pass values into the inner "
         "shard_map as arguments instead of closing over the outer body's values."
     )
@@ -439,7 +361,7 @@ def _check_inplace(func, self_val, union, body):
             f"a value varying along {fmt_vma(self_vma, body.axes)}"
         )
         raise VmaError(
-            f"{_fname(func)}: in-place update of {what} with operands varying along "
+            f"{op_name(func)}: in-place update of {what} with operands varying along "
             f"{fmt_vma(union, body.axes)} (mesh {body.describe()}). An in-place op cannot change a value's "
             "device variance: the result would differ across devices but the target may not. "
             "Fix: compute out of place, e.g. `x = x + y`, or `x = shmap.pvary(x, axes)` first."
@@ -468,7 +390,7 @@ def _check_not_argument(func, x):
         if got is not None:
             who, arg_vma = got
             if x._vma <= arg_vma:
-                raise inplace_input(_fname(func), who, x._body)
+                raise inplace_input(op_name(func), who, x._body)
             x._phys = x._phys.clone()
 
 
@@ -478,226 +400,3 @@ def _make_writable(x: ShTensor):
     st = x._phys.stride()
     if any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k)):
         x._phys = x._phys.clone()
-
-
-# --------------------------------------------------------------------------
-# Functions that need a body value's meaning, not batching
-# --------------------------------------------------------------------------
-def _metadata(func, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-def _phys_attr(name):
-    def get(func, args, kwargs):
-        return getattr(args[0]._phys, name)
-
-    return get
-
-
-def _grad_get(func, args, kwargs):
-    x = args[0]
-    g = x._phys.grad
-    return None if g is None else ShTensor(g, x._paxes, x._vma, x._body)
-
-
-def _data_get(func, args, kwargs):
-    x = args[0]
-    return ShTensor(x._phys.data, x._paxes, x._vma, x._body)
-
-
-def _requires_grad_(func, args, kwargs):
-    x = args[0]
-    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-    x._phys.requires_grad_(flag)
-    x._lifts = None
-    return x
-
-
-def _requires_grad_set(func, args, kwargs):
-    x = args[0]
-    x._phys.requires_grad = args[1]
-    x._lifts = None
-
-
-def _autograd_backward(func, args, kwargs):
-    tensors = args[0] if args else kwargs.pop("tensors")
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    grads = kwargs.pop("grad_tensors", None) if len(args) < 2 else args[1]
-    if grads is None or isinstance(grads, torch.Tensor):
-        grads = [grads] * len(tensors) if grads is None else [grads]
-    inputs = kwargs.pop("inputs", None)
-    if inputs is not None:
-        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        inputs = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
-    phys = [t._phys if isinstance(t, ShTensor) else t for t in tensors]
-    seeds = [_seed_grad(t, g) for t, g in zip(tensors, grads)]
-    with torch._C.DisableTorchFunctionSubclass():
-        torch.autograd.backward(phys, seeds, inputs=inputs, **kwargs)
-
-
-def _retain_grad(func, args, kwargs):
-    args[0]._phys.retain_grad()
-
-
-def _hash(func, args, kwargs):
-    return id(args[0])
-
-
-def _iter(func, args, kwargs):
-    x = args[0]
-    if x.dim() == 0:
-        raise TypeError("iteration over a 0-d tensor")
-    return iter(x.unbind(0))
-
-
-def _concrete(what):
-    def get(func, args, kwargs):
-        x = args[0]
-        if x._vma:
-            raise varying_control_flow(what, x._vma, x._body.mesh)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(x._phys, *args[1:], **kwargs)
-
-    return get
-
-
-def _register_hook(func, args, kwargs):
-    x, hook = args[0], args[1]
-
-    def phys_hook(g):
-        r = hook(ShTensor(g, x._paxes, x._vma, x._body))
-        return None if r is None else to_layout(r, x)
-
-    return x._phys.register_hook(phys_hook)
-
-
-def to_layout(v, like: ShTensor) -> torch.Tensor:
-    """Physical tensor of `v` laid out like `like` (v may vary along a subset)."""
-    body = like._body
-    if isinstance(v, ShTensor):
-        if not v._vma <= like._vma:
-            raise VmaError(
-                f"a value varying along {fmt_vma(v._vma, body.axes)} was given where one varying along "
-                f"{fmt_vma(like._vma, body.axes)} is expected (mesh {body.describe()}). "
-                "Fix: reduce it first, e.g. with shmap.psum."
-            )
-        return expand_to(v._phys, v._paxes, like._paxes, body.sizes)
-    v = torch.as_tensor(v, dtype=like.dtype, device=like.device)
-    return expand_to(v, (), like._paxes, body.sizes)
-
-
-def _seed_grad(out, grad):
-    if grad is None:
-        if isinstance(out, ShTensor) and out.numel() == 1:
-            return torch.ones_like(out._phys)
-        return None
-    if isinstance(out, ShTensor):
-        return to_layout(grad, out)
-    return grad._phys if isinstance(grad, ShTensor) else grad
-
-
-def _backward(func, args, kwargs):
-    x = args[0]
-    gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
-    rest = dict(kwargs)
-    rest.pop("gradient", None)
-    if "inputs" in rest and rest["inputs"] is not None:
-        inp = rest["inputs"]
-        inp = [inp] if isinstance(inp, torch.Tensor) else list(inp)
-        rest["inputs"] = [i._phys if isinstance(i, ShTensor) else i for i in inp]
-    x._phys.backward(_seed_grad(x, gradient), *args[2:], **rest)
-
-
-def _autograd_grad(func, args, kwargs):
-    import inspect
-
-    bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    outputs, inputs, grad_outputs = a["outputs"], a["inputs"], a["grad_outputs"]
-    single_in = isinstance(inputs, torch.Tensor)
-    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-    inputs = [inputs] if single_in else list(inputs)
-    if grad_outputs is None:
-        grad_outputs = [None] * len(outputs)
-    elif isinstance(grad_outputs, torch.Tensor):
-        grad_outputs = [grad_outputs]
-    phys_go = [_seed_grad(o, g) for o, g in zip(outputs, grad_outputs)]
-    phys_out = [o._phys if isinstance(o, ShTensor) else o for o in outputs]
-    phys_in = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
-    rest = {k: v for k, v in a.items() if k not in ("outputs", "inputs", "grad_outputs")}
-    with torch._C.DisableTorchFunctionSubclass():
-        grads = torch.autograd.grad(phys_out, phys_in, phys_go, **rest)
-    res = tuple(
-        ShTensor(g, i._paxes, i._vma, i._body) if (g is not None and isinstance(i, ShTensor)) else g
-        for g, i in zip(grads, inputs)
-    )
-    return res
-
-
-def _format(x: ShTensor) -> str:
-    body = x._body
-    kind = "invariant" if not x._vma else f"varying along {fmt_vma(x._vma, body.axes)}"
-    head = (
-        f"ShTensor(per-device shape {tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}, {kind}, "
-        f"mesh {body.describe()}"
-    )
-    phys = x._phys.detach()
-    if phys.grad_fn is None and x._phys.grad_fn is not None:
-        head += f", grad_fn={type(x._phys.grad_fn).__name__}"
-    head += ")"
-    if not x._paxes:
-        if x._vma and not body.backend.batched:  # distributed: only this rank's block is here
-            who = body.backend.describe_device()
-            return head + f"\n  {who}: " + _indent(repr(phys), len(who) + 4)
-        return head + "\n  every device: " + _indent(repr(phys), 16)
-    lines = [head]
-    for idx in itertools.product(*(range(body.sizes[a]) for a in x._paxes)):
-        label = ", ".join(f"{a}={i}" for a, i in zip(x._paxes, idx))
-        lines.append(f"  device ({label}): " + _indent(repr(phys[idx]), 12 + len(label)))
-    return "\n".join(lines)
-
-
-def _indent(s, n):
-    return s.replace("\n", "\n" + " " * n)
-
-
-def _repr(func, args, kwargs):
-    return _format(args[0])
-
-
-def _format_spec(func, args, kwargs):
-    return _format(args[0])
-
-
-_T = torch.Tensor
-_SPECIAL = {}
-for _name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized", "is_meta",
-              "is_mps", "is_cpu", "itemsize", "nbytes"):
-    if hasattr(_T, _name):
-        _SPECIAL[getattr(_T, _name).__get__] = _metadata
-for _m in (_T.size, _T.dim, _T.numel, _T.__len__, _T.is_floating_point, _T.is_complex, _T.element_size,
-           _T.nelement, _T.ndimension, _T.get_device, _T.is_contiguous, _T.stride):
-    _SPECIAL[_m] = _metadata
-for _name in ("requires_grad", "grad_fn", "is_leaf"):
-    _SPECIAL[getattr(_T, _name).__get__] = _phys_attr(_name)
-_SPECIAL[_T.grad.__get__] = _grad_get
-_SPECIAL[_T.data.__get__] = _data_get
-_SPECIAL[_T.requires_grad_] = _requires_grad_
-_SPECIAL[_T.retain_grad] = _retain_grad
-_SPECIAL[_T.requires_grad.__set__] = _requires_grad_set
-_SPECIAL[torch.autograd.backward] = _autograd_backward
-_SPECIAL[_T.register_hook] = _register_hook
-_SPECIAL[_T.__hash__] = _hash
-_SPECIAL[_T.__iter__] = _iter
-_SPECIAL[_T.__repr__] = _repr
-_SPECIAL[_T.__str__] = _repr
-_SPECIAL[_T.__format__] = _format_spec
-_SPECIAL[_T.backward] = _backward
-_SPECIAL[torch.autograd.grad] = _autograd_grad
-for _m, _what in ((_T.__bool__, "Python control flow (`if`/`while`/`bool()`) on a tensor"),
-                  (_T.item, "`.item()`"), (_T.tolist, "`.tolist()`"), (_T.numpy, "`.numpy()`"),
-                  (_T.__int__, "`int()`"), (_T.__float__, "`float()`"), (_T.__index__, "use as an index"),
-                  (_T.__complex__, "`complex()`"), (_T.__array__, "conversion to a NumPy array")):
-    _SPECIAL[_m] = _concrete(_what)

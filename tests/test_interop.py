@@ -317,3 +317,39 @@ def test_autograd_function_under_torch_func_inside_and_outside_a_body():
     torch.testing.assert_close(torch.func.grad(f)(x), 3 * x ** 2)
     xs = torch.stack([x, 2 * x])
     torch.testing.assert_close(torch.vmap(f)(xs), (xs ** 3).sum(1))
+
+
+# ----------------------------------------------------------------------------
+# The distributed collectives as torch.library ops (shmap/backends/library.py)
+# ----------------------------------------------------------------------------
+class _FourDevices:
+    """A stand-in for a distributed `Group` of 4 (the fake implementations read only its size)."""
+
+    n = 4
+    axes = ("i",)
+
+
+@pytest.mark.parametrize("device", ["fake", "meta"])
+def test_collective_ops_exist_and_their_fake_implementations_give_the_shapes(device):
+    from torch._subclasses import FakeTensorMode
+
+    from shmap.backends import library
+
+    g = library.group_id(_FourDevices)
+    ops = torch.ops.shmap
+    calls = [  # (op, arguments after the tensor, input shape, output shape)
+        (ops.psum, (g, "psum"), (8, 6), (8, 6)),
+        (ops.psum, (g, "pmax"), (3,), (3,)),
+        (ops.all_gather, (g, 1, True, "all_gather"), (8, 6), (8, 24)),
+        (ops.all_gather, (g, 0, False, "all_gather_invariant"), (8, 6), (4, 8, 6)),
+        (ops.psum_scatter, (g, 0, True), (8, 6), (2, 6)),
+        (ops.psum_scatter, (g, 1, False), (3, 4), (3,)),
+        (ops.ppermute, (g, [0, 1, 1, 0]), (8, 6), (8, 6)),
+        (ops.all_to_all, (g, 0, 1, True), (8, 6), (2, 24)),
+        (ops.all_to_all, (g, 1, 0, False), (3, 4, 5), (4, 3, 5)),
+    ]
+    with FakeTensorMode() if device == "fake" else torch.device("meta"):
+        for op, args, shape, want in calls:
+            out = op(torch.empty(shape, dtype=torch.float16), *args)
+            assert tuple(out.shape) == want, (op, args)
+            assert out.dtype == torch.float16

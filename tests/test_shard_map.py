@@ -265,7 +265,7 @@ def test_inplace_update_of_an_argument_raises_naming_it():
         with pytest.raises(shmap.InPlaceInputError) as e:
             sm(bump, (spec, P()), spec)(x, w)
         msg = str(e.value)
-        assert msg.startswith("TensorBase.add_: in-place update of argument 0 ('a') of shard_map(bump) at in_specs[0]")
+        assert msg.startswith("Tensor.add_: in-place update of argument 0 ('a') of shard_map(bump) at in_specs[0]")
         assert "read-only" in msg and "immutable" in msg and "Fix:" in msg and "x = x.clone()" in msg
     assert torch.equal(x, torch.zeros(8))  # the caller's tensor is untouched
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecError
-from ..tensor import mesh_order
+from ..errors import SpecError, TransformError
+from ..mesh import PartitionSpec
 from .deferred import arrived
+from .functions import _Function, _functorch_active, _keep_args, _wrapped
 from .transports import _gather_rows
 
 
@@ -21,7 +22,21 @@ def _take_block(x, starts):
     return x
 
 
-class Arrive(torch.autograd.Function):
+# The boundary's Functions are in `setup_context` form with `vmap` and `jvp` rules
+# (`functions._Function`), as torch.func requires: a nested shard_map inside a transformed function
+# cuts and assembles blocks with them.  A vmap rule puts the batch dim first and, where the Function
+# cuts or assembles blocks, describes the batch by a spec with a leading unsplit dim.  From outside a
+# top-level shard_map, a transform is refused (`Arrive.apply`, `TransformError`).
+def _batch_first(x, bdim):
+    return x if bdim == 0 else x.movedim(bdim, 0)
+
+
+def _batched_spec(spec):
+    """`spec` for a value with a batch dim in front (not split)."""
+    return PartitionSpec(None, *spec, unreduced=spec.unreduced)
+
+
+class Arrive(_Function):
     """Identity at a body's input whose backward waits for the input's deferred gradient reductions.
 
     Created when the body starts, so autograd runs it after every node of the
@@ -29,29 +44,77 @@ class Arrive(torch.autograd.Function):
     the backward pass, and what leaves the body is an ordinary tensor.
     """
 
+    @classmethod
+    def apply(cls, x):
+        if _functorch_active() and _wrapped(x):  # only `split` makes an Arrive: a transform from outside
+            raise outside_transform_error()
+        return super().apply(x)
+
     @staticmethod
-    def forward(ctx, x):
+    def forward(x):
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, ct):
         return arrived(ct)
 
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return Arrive.apply(x), in_dims[0]
 
-class ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def jvp(ctx, t):
+        return t.view_as(t)
+
+
+_TRANSFORMS = {
+    "Grad": ("torch.func.grad (or vjp, jacrev, hessian)", "torch.func.grad(loss)(w, x)"),
+    "Jvp": ("torch.func.jvp (or jacfwd)", "torch.func.jvp(f, (w,), (t,))"),
+    "Vmap": ("torch.vmap", "torch.vmap(f)(x)"),
+}
+
+
+def outside_transform_error() -> TransformError:
+    """Why a torch.func transform of a shard_mapped function fails on a distributed mesh, and the fix."""
+    key = torch._C._functorch.peek_interpreter_stack().key().name
+    name, inside = _TRANSFORMS.get(key, (f"a torch.func transform ({key})", "the transform"))
+    return TransformError(
+        f"{name} of a shard_mapped function on a distributed mesh is not supported: the function's outputs "
+        "are DTensors, and torch.func cannot carry a DTensor (its autograd Functions are not in "
+        "setup_context form). Fix: apply the transform inside the body, where the distributed mesh supports "
+        f"it (e.g. `shard_map(lambda w, x: {inside}, ...)`), or differentiate from outside with "
+        "torch.autograd.grad / .backward() on the output. On a simulated mesh "
+        "(`make_mesh(..., distributed=False)`) the transform works from outside too."
+    )
+
+
+class ScaleGrad(_Function):
     """Identity whose cotangent is scaled (the unmapped-output transpose of check_vma=False)."""
 
     @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
+    def forward(x, scale):
         return x.view_as(x)
+
+    setup_context = staticmethod(_keep_args)
 
     @staticmethod
     def backward(ctx, ct):
-        return ct * ctx.scale, None
+        return ct * ctx.args[0], None
+
+    @staticmethod
+    def vmap(info, in_dims, x, scale):
+        return ScaleGrad.apply(x, scale), in_dims[0]
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return ScaleGrad.apply(t, *ctx.args)
 
 
-class PendingTerm(torch.autograd.Function):
+class PendingTerm(_Function):
     """A global value -> this rank's term of a pending sum of it (itself on the first rank, else zeros).
 
     Transpose: the cotangent as it is.  A pending sum's cotangent is the same
@@ -60,29 +123,47 @@ class PendingTerm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, first):
-        ctx.first = first
+    def forward(x, first):
         return x.view_as(x) if first else torch.zeros_like(x)
+
+    setup_context = staticmethod(_keep_args)
 
     @staticmethod
     def backward(ctx, ct):
-        return PendingTermT.apply(ct, ctx.first), None
+        return PendingTermT.apply(ct, ctx.args[0]), None
+
+    @staticmethod
+    def vmap(info, in_dims, x, first):
+        return PendingTerm.apply(x, first), in_dims[0]
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return PendingTerm.apply(t, *ctx.args)
 
 
-class PendingTermT(torch.autograd.Function):
+class PendingTermT(_Function):
     """The transpose of `PendingTerm` (identity); its own transpose is `PendingTerm` again."""
 
     @staticmethod
-    def forward(ctx, ct, first):
-        ctx.first = first
+    def forward(ct, first):
         return ct.view_as(ct)
+
+    setup_context = staticmethod(_keep_args)
 
     @staticmethod
     def backward(ctx, g):
-        return PendingTerm.apply(g, ctx.first), None
+        return PendingTerm.apply(g, ctx.args[0]), None
+
+    @staticmethod
+    def vmap(info, in_dims, ct, first):
+        return PendingTermT.apply(ct, first), in_dims[0]
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return PendingTermT.apply(t, *ctx.args)
 
 
-class TakeBlock(torch.autograd.Function):
+class TakeBlock(_Function):
     """This rank's block of a global value every rank holds.
 
     Its transpose assembles every rank's block cotangent (an all_gather over
@@ -92,34 +173,56 @@ class TakeBlock(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, backend, spec, body):
-        ctx.args = (backend, spec, body, tuple(x.shape))
+    def forward(x, backend, spec, body):
         return _take_block(x, backend._block_starts(spec, x.shape))
+
+    setup_context = staticmethod(_keep_args)
 
     @staticmethod
     def backward(ctx, ct):
-        backend, spec, body, shape = ctx.args
-        return AssembleBlocks.apply(ct, backend, spec, body), None, None, None
+        return AssembleBlocks.apply(ct, *ctx.args), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, backend, spec, body):
+        if in_dims[0] is None:
+            return TakeBlock.apply(x, backend, spec, body), None
+        return TakeBlock.apply(_batch_first(x, in_dims[0]), backend, _batched_spec(spec), body), 0
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return TakeBlock.apply(t, *ctx.args)
 
 
-class AssembleBlocks(torch.autograd.Function):
+class AssembleBlocks(_Function):
     """Every rank's block -> the global value on every rank; transpose: `TakeBlock`."""
 
     @staticmethod
-    def forward(ctx, block, backend, spec, body):
-        ctx.args = (backend, spec, body)
+    def forward(block, backend, spec, body):
         return _assemble_blocks(block, backend, spec, body)
+
+    setup_context = staticmethod(_keep_args)
 
     @staticmethod
     def backward(ctx, ct):
         return TakeBlock.apply(ct, *ctx.args), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, block, backend, spec, body):
+        """One gather for the whole batch (the batch is one more unsplit dim of the block)."""
+        if in_dims[0] is None:
+            return AssembleBlocks.apply(block, backend, spec, body), None
+        return AssembleBlocks.apply(_batch_first(block, in_dims[0]), backend, _batched_spec(spec), body), 0
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return AssembleBlocks.apply(t, *ctx.args)
 
 
 def _assemble_blocks(block, backend, spec, body):
     """Every rank's block of a global value (same spec) -> the global value, on every rank."""
     from .simulated import SIMULATED
 
-    axes = mesh_order(spec.axes(), body)
+    axes = body.order(spec.axes())
     g = backend.group(axes)
     rows = _gather_rows(block, g, "assemble (boundary)")  # [n, *block], mesh order
     lead = [body.sizes[a] for a in axes]

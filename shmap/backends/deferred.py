@@ -37,7 +37,8 @@ import torch
 
 from .config import _OPTIONS
 from .traced import tracing
-from .transports import _chunks, _contiguous_strides, _launch_all_reduce, _launch_psum_scatter
+from .transports import (_MOVABLE, _all_gather, _chunks, _contiguous_strides, _launch_all_reduce,
+                         _launch_gather_rows, _launch_psum_scatter)
 
 
 class Deferred(torch.Tensor):
@@ -107,6 +108,27 @@ def psum_scatter(ct, g, dim, tiled):
     return _bucket(g, "psum_scatter", ct).add(rows, shape, ct.dtype)
 
 
+def all_gather(x, g, axis, tiled):
+    """all_gather of a forward value (FSDP's weight gather): bucketed with the gathers that follow it.
+
+    A program that gathers its weights ahead of use (the training recipe
+    gathers every FSDP weight at the top of its forward, as FSDP2 does for a
+    unit) then moves them in a few collectives instead of one each: the bucket
+    launches when it holds `bucket_bytes`, or when one of its values is first
+    read.  Under a functorch transform the value is gathered at once.
+    """
+    if not (_bucketable(x, g) and x.dtype in _MOVABLE
+            and torch._C._functorch.peek_interpreter_stack() is None):
+        return _all_gather(x, g, axis, tiled)
+    shape = list(x.shape)
+    if tiled:
+        shape[axis] *= g.n
+    else:
+        shape.insert(axis, g.n)
+    part = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+    return _bucket(g, "all_gather", x).add(part, tuple(shape), x.dtype, (tuple(x.shape), axis, tiled))
+
+
 def _bucketable(ct, g) -> bool:
     return _deferrable(ct) and g.n > 1 and g.shm(ct) is None
 
@@ -134,18 +156,20 @@ class Bucket:
 
     def __init__(self, g, kind, key):
         self.g, self.kind, self.key = g, kind, key
-        self.parts, self.nbytes, self.starts = [], 0, [0]
+        self.parts, self.nbytes, self.starts, self.gathered = [], 0, [0], []
         self.flight = self.result = self.value = None
         try:  # launch at the end of this backward pass at the latest (nobody may read some values)
             torch.autograd.Variable._execution_engine.queue_callback(self.launch)
         except RuntimeError:  # not inside a backward pass: the first read launches
             pass
 
-    def add(self, part, shape, dtype) -> Deferred:
+    def add(self, part, shape, dtype, gathered=None) -> Deferred:
         i = len(self.parts)
         self.parts.append(part)
         self.starts.append(self.starts[-1] + part.shape[-1])
         self.nbytes += part.numel() * part.element_size()
+        if gathered is not None:
+            self.gathered.append(gathered)
         d = Deferred(lambda: self.read(i, shape), shape, dtype, part.device)
         if self.nbytes >= _OPTIONS["bucket_bytes"]:
             self.launch()
@@ -159,6 +183,9 @@ class Bucket:
         parts, self.parts = self.parts, None
         if self.kind == "psum":  # the parts are copied once, into the sealed buffer
             self.flight, self.result = _launch_all_reduce(parts, self.g, "psum")
+        elif self.kind == "all_gather":
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self.flight, self.result = _launch_gather_rows(flat, self.g, "all_gather", f"bucket of {len(parts)}")
         else:
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             self.flight, self.result = _launch_psum_scatter(rows, self.g, 0, False)
@@ -169,6 +196,11 @@ class Bucket:
             if self.flight is not None:
                 self.flight.finish()
             self.value, self.flight, self.result = self.result(), None, None
+        if self.kind == "all_gather":  # [n, total] -> this part's rows, laid out as its all_gather's result
+            block, axis, tiled = self.gathered[i]
+            t = self.value[:, self.starts[i]:self.starts[i + 1]].reshape(self.g.n, *block).movedim(0, axis)
+            t = t.flatten(axis, axis + 1) if tiled else t
+            return t.contiguous()  # the strides its Deferred promised
         return self.value[self.starts[i]:self.starts[i + 1]].view(shape)
 
 

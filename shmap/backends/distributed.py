@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from ..tensor import mesh_order
+from .. import batching
+from ..errors import SpecError
 from . import traced, watchdog
 from .boundary import (  # noqa: F401  (re-exported)
     Arrive,
@@ -44,6 +45,7 @@ from .boundary import (  # noqa: F401  (re-exported)
     PendingTermT,
     ScaleGrad,
     TakeBlock,
+    outside_transform_error,
     _assemble_blocks,
     _take_block,
     check_dtensor_layout,
@@ -62,7 +64,8 @@ from .functions import (  # noqa: F401
     _grad,
     _record,
 )
-from .groups import Group, _dist, mesh_order_of  # noqa: F401
+from .groups import Group, _dist
+from .protocol import Backend
 from .transports import (  # noqa: F401
     _MOVABLE,
     _SEAL_BYTES_LIMIT,
@@ -88,12 +91,12 @@ from .transports import (  # noqa: F401
 )
 
 
-class Distributed:
-    """Physical collectives and the global<->per-device boundary for one rank."""
+class Distributed(Backend):
+    """Physical collectives and the global<->per-device boundary for one rank (`protocol.Backend`)."""
 
     name = "distributed"
-    #: ordinary ops run once, on this rank's block
-    batched = False
+    #: a value is this rank's block, with no device dims
+    device_dims = False
 
     def __init__(self, mesh):
         dist = _dist()
@@ -144,7 +147,7 @@ class Distributed:
         return Group(axes, n, index, ranks, g2t, self)
 
     def _pg(self, axes):
-        """A process group over the mesh axes `axes` (mesh order), cached per set."""
+        """A process group over the mesh axes `axes` (any order: its ranks follow the mesh's), cached per set."""
         key = frozenset(axes)
         pg = self._pgs.get(key)
         if pg is not None:
@@ -158,7 +161,7 @@ class Distributed:
         else:
             # Every rank creates every group of the partition (new_group is
             # collective over the world); SPMD programs reach here together.
-            dims = [mesh.axis_names.index(a) for a in axes]
+            dims = sorted(mesh.axis_names.index(a) for a in axes)  # mesh order
             rest = [d for d in range(len(mesh.axis_names)) if d not in dims]
             t = mesh.devices.permute(rest + dims).reshape(-1, math.prod(mesh.shape[a] for a in axes))
             from datetime import timedelta
@@ -183,7 +186,9 @@ class Distributed:
         """
         from .. import dtensor as dt
 
-        axes = mesh_order(spec.axes(), body)
+        if torch._C._functorch.peek_interpreter_stack() is not None:  # a torch.func transform from outside
+            raise outside_transform_error()
+        axes = body.order(spec.axes())
         if dt.is_dtensor(x):
             x = dt.local_block(x, self.mesh, spec)
             return (Arrive.apply(x) if _grad(x) else x), axes
@@ -225,8 +230,7 @@ class Distributed:
     def assemble(self, phys, paxes, spec, body, logical_shape):
         """This rank's block -> the global value as a DTensor placed by `spec`.
 
-        `paxes` are the axes the block varies along (shard_map hands the type
-        over, as there are no device axes).  Axes the spec leaves out are
+        `paxes` is `()` (a block has no device dims).  Axes the spec leaves out are
         `Replicate`: with check_vma every rank holds the same block along them;
         with check_vma=False the caller vouches for it and the cotangent is
         divided by their size (JAX's defensive transpose, as on the simulated
@@ -368,5 +372,41 @@ class Distributed:
     def axis_index(self, axes, body, device, unchecked):
         return torch.tensor(self.linear_index(axes), dtype=torch.int64, device=device), ()
 
-    def _materialize(self, phys, paxes, axes, body):
-        return phys, paxes
+    # ------------------------------------------------------------------
+    # Running the program: an op runs once, on this rank's block
+    # ------------------------------------------------------------------
+    @staticmethod
+    def run_op(func, leaves, treedef, batched, union, inplace, body):
+        return batching.run_batched(func, leaves, treedef, batched, (), body), ()  # no device dims: a plain call
+
+    # ------------------------------------------------------------------
+    # Nested shard_map: a parent body's value is whole along the axes it leaves
+    # free (each rank of those axes computes it redundantly), so entering takes
+    # this rank's block (a view; the transpose gathers the cotangent's blocks)
+    # and leaving gathers the blocks along the named axes (transpose: the own
+    # block).  That gather is boundary traffic, not a collective of the
+    # program: comm_log does not list it, as for a plain input's gradient.
+    # ------------------------------------------------------------------
+    def enter_nested(self, phys, paxes, spec, body):
+        if spec.unreduced:
+            raise SpecError(
+                f"shard_map: unreduced in_specs of a nested shard_map on a distributed mesh are not supported "
+                f"(spec {spec}). Fix: pass the value reduced, or use a simulated mesh."
+            )
+        if spec.axes():
+            phys = TakeBlock.apply(phys, self, spec, body) if _grad(phys) else _take_block(
+                phys, self._block_starts(spec, phys.shape))
+        return phys, ()
+
+    def exit_nested(self, phys, paxes, spec, body, logical_shape, pending, tiled):
+        if pending:
+            raise SpecError(
+                "shard_map: an unreduced output of a nested shard_map on a distributed mesh is not supported. "
+                "Fix: psum it in the inner body."
+            )
+        if tiled:
+            phys, _ = self.pvary(phys, (), tiled, body, logical_shape)
+        if spec.axes():
+            phys = AssembleBlocks.apply(phys, self, spec, body) if _grad(phys) else _assemble_blocks(
+                phys, self, spec, body)
+        return phys, ()

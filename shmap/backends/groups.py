@@ -1,4 +1,4 @@
-"""Process groups over axis tuples of a distributed mesh: `Group`, and `mesh_order_of`."""
+"""Process groups over axis tuples of a distributed mesh: `Group`."""
 from __future__ import annotations
 
 
@@ -44,7 +44,7 @@ class Group:
         the signature check has confirmed every rank is at this collective.
         """
         if self._pg is None:
-            self._pg = self._backend._pg(mesh_order_of(self.axes, self._backend.mesh))
+            self._pg = self._backend._pg(self.axes)
             self.gloo = "gloo" in str(_dist().get_backend(self._pg)).lower()
         return self._pg
 
@@ -70,7 +70,3 @@ class Group:
     def torch_ranks(self, positions):
         """Process-group ranks of tuple positions."""
         return list(positions) if self.t2g is None else [self.t2g[p] for p in positions]
-
-
-def mesh_order_of(axes, mesh) -> tuple:
-    return tuple(a for a in mesh.axis_names if a in axes)

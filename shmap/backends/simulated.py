@@ -14,15 +14,23 @@ import math
 
 import torch
 
-from ..tensor import event, expand_to, log_comm, mesh_order
+from .. import batching
+from ..recording import event, log_comm
+from ..tensor import expand_to
+from .protocol import Backend
 
 
-class Simulated:
-    """Physical collectives and the global<->per-device boundary, batched."""
+class Simulated(Backend):
+    """Physical collectives and the global<->per-device boundary, batched (`protocol.Backend`)."""
 
     name = "simulated"
-    #: ordinary ops run batched over the leading (per-device) dims
-    batched = True
+    #: a value varying along axes L is one tensor with a leading dim per axis of L
+    device_dims = True
+    #: ordinary ops run once over all devices' blocks (`batching.run_op`: direct forms, else vmap)
+    run_op = staticmethod(batching.run_op)
+
+    def describe_device(self):
+        return None  # every device's block is here
 
     # ------------------------------------------------------------------
     # Boundary
@@ -53,7 +61,7 @@ class Simulated:
                 shape.append(body.sizes[a])
             n = math.prod(body.sizes[a] for a in spec.dim_axes(d))
             shape.append(x.shape[d] // n)
-        paxes = mesh_order(lead_pos, body)
+        paxes = body.order(tuple(lead_pos))
         lead = [lead_pos[a] for a in paxes]
         rest = [i for i in range(len(shape)) if i not in lead_pos.values()]
         return shape, lead + rest, paxes
@@ -85,7 +93,7 @@ class Simulated:
             d = paxes.index(a)
             phys = TakeFirst.apply(phys, d, body.sizes[a])
             paxes = paxes[:d] + paxes[d + 1:]
-        target = mesh_order(set(paxes) | set(named), body)
+        target = body.order((*paxes, *named))
         phys = expand_to(phys, paxes, target, body.sizes)
         k = len(target)
         perm, out_shape = [], []
@@ -104,7 +112,7 @@ class Simulated:
             return (), [], ()
         if any(a not in named for a in paxes):
             return None
-        target = mesh_order(set(paxes) | set(named), body)
+        target = body.order((*paxes, *named))
         k = len(target)
         perm, out_shape = [], []
         for d, size in enumerate(logical_shape):
@@ -130,7 +138,7 @@ class Simulated:
     def unreduced_input(self, phys, paxes, axes, body):
         """A global value as a pending sum along `axes`: device 0 holds it, the others zeros."""
         for a in axes:
-            paxes = mesh_order(set(paxes) | {a}, body)
+            paxes = body.order((*paxes, a))
             d = paxes.index(a)
             zeros = phys.new_zeros(phys.shape[:d] + (body.sizes[a] - 1,) + phys.shape[d:])
             phys = torch.cat([phys.unsqueeze(d), zeros], d)
@@ -141,6 +149,47 @@ class Simulated:
         the caller, not the program, asked for it)."""
         dims = [paxes.index(a) for a in axes]
         return _device_sum(phys, dims), tuple(a for a in paxes if a not in axes)
+
+    # ------------------------------------------------------------------
+    # Nested shard_map: a change of layout (views), so autograd needs nothing special
+    # ------------------------------------------------------------------
+    def enter_nested(self, phys, paxes, spec, body):
+        """Cut the logical dims `spec` names into new device dims, joining the leading ones in mesh order."""
+        k = len(paxes)
+        shape = list(phys.shape[:k])
+        pos = {a: i for i, a in enumerate(paxes)}
+        for d, size in enumerate(phys.shape[k:]):
+            axes = spec.dim_axes(d)
+            for a in axes:
+                pos[a] = len(shape)
+                shape.append(body.sizes[a])
+            shape.append(size // math.prod(body.sizes[a] for a in axes))
+        new = body.order(tuple(pos))
+        lead = [pos[a] for a in new]
+        rest = [i for i in range(len(shape)) if i not in lead]
+        return phys.reshape(shape).permute(lead + rest), new
+
+    def exit_nested(self, phys, paxes, spec, body, logical_shape, pending, tiled):
+        """Sum the pending terms, pvary along `tiled`, then fold the named device dims back into
+        the logical dims (the reverse of `enter_nested`)."""
+        if pending:
+            phys, paxes = self.unreduced_output(phys, paxes, body.order(pending), body)
+        if tiled:
+            phys, paxes = self.pvary(phys, paxes, tiled, body, logical_shape)
+        sizes = body.sizes
+        named = spec.axes()
+        target = body.order((*paxes, *named))
+        phys = expand_to(phys, paxes, target, sizes)
+        keep = tuple(a for a in target if a not in named)
+        k = len(target)
+        perm = [target.index(a) for a in keep]
+        out_shape = [sizes[a] for a in keep]
+        for d, size in enumerate(logical_shape):
+            axes = spec.dim_axes(d)
+            perm.extend(target.index(a) for a in axes)
+            perm.append(k + d)
+            out_shape.append(size * math.prod(sizes[a] for a in axes))
+        return phys.permute(perm).reshape(out_shape), keep
 
     # ------------------------------------------------------------------
     # Automatic pvary: a physical no-op (see tensor.py)
@@ -179,7 +228,7 @@ class Simulated:
     # pvary: invariant{A} -> varying{A}        transpose: psum
     # ------------------------------------------------------------------
     def pvary(self, phys, paxes, axes, body, shape):
-        target = mesh_order(set(paxes) | set(axes), body)
+        target = body.order((*paxes, *axes))
         out = expand_to(phys, paxes, target, body.sizes)
         return log_comm(out, None, event("psum", axes, shape, phys.dtype)), target
 
@@ -267,7 +316,7 @@ class Simulated:
     def axis_index(self, axes, body, device, unchecked):
         n = math.prod(body.sizes[a] for a in axes)
         t = torch.arange(n, device=device).reshape([body.sizes[a] for a in axes])
-        target = mesh_order(axes, body)
+        target = body.order(axes)
         t = t.permute([axes.index(a) for a in target])
         if unchecked:
             return self._materialize(t, target, body.axes, body)
@@ -275,7 +324,7 @@ class Simulated:
 
     # ------------------------------------------------------------------
     def _materialize(self, phys, paxes, axes, body):
-        target = mesh_order(set(paxes) | set(axes), body)
+        target = body.order((*paxes, *axes))
         return expand_to(phys, paxes, target, body.sizes), target
 
 
@@ -312,8 +361,8 @@ def _gather_front(phys, paxes, axes, body):
 def _scatter_front(t, axes, other, body):
     """Inverse of `_gather_front`: split dim 0 into `axes` dims, restore mesh order."""
     t = t.unflatten(0, [body.sizes[a] for a in axes]) if len(axes) > 1 else t
-    cur = list(axes) + list(other)
-    target = mesh_order(cur, body)
+    cur = (*axes, *other)
+    target = body.order(cur)
     perm = [cur.index(a) for a in target] + list(range(len(cur), t.dim()))
     return t.permute(perm), target
 

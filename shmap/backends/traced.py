@@ -46,7 +46,7 @@ import torch
 from torch._higher_order_ops.effects import _EffectType
 
 from .. import comm
-from ..tensor import event
+from ..recording import event
 from .groups import Group
 from .signatures import SEAL_BITS, reduce_trailer, sealable, signature16
 

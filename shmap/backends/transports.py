@@ -259,31 +259,48 @@ def _gather_rows(x, g: Group, kind, extra=""):
     """[n, *x.shape]: every position's block, in the tuple's order."""
     if tracing():  # torch.compile: functional collectives (traced.py)
         return traced.gather_rows(x, g, kind, extra)
+    flight, result = _launch_gather_rows(x, g, kind, extra)
+    if flight is not None:
+        flight.finish()
+    return result()
+
+
+def _launch_gather_rows(x, g: Group, kind, extra=""):
+    """As `_gather_rows`, launched: (the collective in flight or None, its result once finished)."""
     x = x.contiguous()
     if g.n == 1:
-        return x.unsqueeze(0).clone()
+        out = x.unsqueeze(0).clone()
+        return None, lambda: out
     dist = _dist()
     flat = x.reshape(-1) if x.dtype in _MOVABLE else _as_bytes(x)
     shm = g.shm(x)
-    if shm is not None:
-        out = _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_gather(flat), extra)
+    flight = None
+    if shm is not None:  # completes here
+        got = _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_gather(flat), extra)
+        read = lambda: got  # noqa: E731
     else:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         send, nb, expect = _sealed_bytes(flat.reshape(1, -1), g, kind, x.shape, x.dtype, extra)
         if send is None:
             out = flat.new_empty((g.n, flat.numel()))
-            _run(g, kind, x.shape, x.dtype, lambda pg: fn(out, flat.reshape(1, -1), group=pg, async_op=True),
-                 extra)
+            flight = _start(g, kind, x.shape, x.dtype,
+                            lambda pg: fn(out, flat.reshape(1, -1), group=pg, async_op=True), extra)
+            read = lambda: out  # noqa: E731
         else:
             got = send.new_empty((g.n, nb + 8))
-            _run(g, kind, x.shape, x.dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
-                 seal=Seal("bytes", None, got[:, nb:], expect))
-            out = _unseal_bytes(got, nb, flat.dtype, (g.n, flat.numel()))
-    if out.dtype != x.dtype:
-        out = out.view(x.dtype)
-    if g.g2t is not None:
-        out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
-    return out.view(g.n, *x.shape)
+            flight = _start(g, kind, x.shape, x.dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
+                            seal=Seal("bytes", None, got[:, nb:], expect))
+            read = lambda: _unseal_bytes(got, nb, flat.dtype, (g.n, flat.numel()))  # noqa: E731
+
+    def result():
+        out = read()
+        if out.dtype != x.dtype:
+            out = out.view(x.dtype)
+        if g.g2t is not None:
+            out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
+        return out.view(g.n, *x.shape)
+
+    return flight, result
 
 
 def _all_gather(x, g: Group, axis, tiled, kind="all_gather"):

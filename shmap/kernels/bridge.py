@@ -23,7 +23,8 @@ import torch
 
 from .. import comm, context
 from ..errors import VmaError
-from ..tensor import ShTensor, event, expand_to, lift
+from ..recording import event
+from ..tensor import ShTensor, expand_to, lift
 
 #: A transpose that leaves the per-device cotangents as they are (e.g. of an all-reduce,
 #: whose transpose is `pvary`).
@@ -39,7 +40,7 @@ def call(fn, *xs, axis_name: str, out: str = "varying", transpose=None, name: st
     if out not in ("varying", "invariant"):
         raise ValueError(f"{api}: out must be 'varying' or 'invariant', got {out!r}.")
     body = context.body_for_axes(api, (axis_name,))
-    if not body.backend.batched:
+    if not body.backend.device_dims:
         raise NotImplementedError(
             f"{api}: kernels called from a body run on the simulated mesh (the verifying interpreter). "
             "On real processes run them with kernels.ShmGroup / run_shm, or use shmap's collectives."

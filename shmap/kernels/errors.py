@@ -25,7 +25,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _RUNTIME_FILES = frozenset(
     os.path.join(_HERE, name)
     for name in ("errors.py", "refs.py", "api.py", "common.py", "races.py", "interpreter.py",
-                 "segments.py", "shm.py", "group.py")
+                 "interpreter_device.py", "segments.py", "shm.py", "shm_device.py", "group.py")
 )
 _CONTEXTLIB = os.path.abspath(__import__("contextlib").__file__)
 

@@ -18,6 +18,7 @@ the transpose of what the types say, inserted by shmap's autodiff.  With no mesh
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import optree
@@ -70,6 +71,16 @@ class Layout:
                 w = shmap.all_gather(w, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
         return w
 
+    def gather_all(self, params, specs, dtype):
+        """Every weight as this device computes with it (cast to `dtype`, FSDP dims all-gathered), up
+        front, and the layout to use with them (nothing left to gather).  Gathered together, the
+        weights travel in a few collectives instead of one each (on processes, shmap buckets
+        all_gathers issued back to back), as FSDP2 gathers a unit's parameters at once."""
+        params = _map2(lambda t, s: self.gather(t.to(dtype), s), params, specs)
+        whole = copy.copy(self)
+        whole.fsdp = ()
+        return params, whole
+
     def sum_partial(self, x):
         """Sum the partial results of a row-parallel projection over the head/hidden-splitting axes."""
         return shmap.psum(x, self.tensor) if self.tensor else x
@@ -77,6 +88,14 @@ class Layout:
     def mean_over_batch(self, x):
         """A per-device mean over this device's rows -> the mean over the global batch."""
         return shmap.pmean(x, self.batch) if self.batch else x
+
+
+def _map2(f, tree, specs):
+    """f over the leaves of a nested dict and its spec tree (dicts only: under torch.compile they are
+    Dynamo's immutable dicts, which pytree libraries take for leaves)."""
+    if isinstance(tree, dict):
+        return {k: _map2(f, v, specs[k]) for k, v in tree.items()}
+    return f(tree, specs)
 
 
 def _entry_axes(entry):
@@ -177,9 +196,9 @@ def _cookbook_norm(x):
 def block(cfg: Config, layout: Layout, sp: dict, p: dict, x):
     """One decoder layer on this device's rows: attention then MLP, each added to the residual stream.
 
-    With FSDP each weight is all-gathered just before use (and, under `--remat`,
-    gathered again when the backward pass recomputes the layer: the cookbook's
-    "parameters unsharded one by one, briefly").
+    Under `--remat` with FSDP each weight is all-gathered just before use, and
+    gathered again when the backward pass recomputes the layer (the cookbook's
+    "parameters unsharded one by one, briefly"); otherwise `forward` gathered them.
     """
     cdt = compute_dtype(cfg)
     prenorm = cfg.block == "prenorm"
@@ -204,8 +223,14 @@ def block(cfg: Config, layout: Layout, sp: dict, p: dict, x):
 
 
 def forward(cfg: Config, layout: Layout, specs: dict, params: dict, tokens):
-    """Per-device logits for per-device token rows `tokens` (b, s): the body of every mesh."""
+    """Per-device logits for per-device token rows `tokens` (b, s): the body of every mesh.
+
+    With FSDP (and no `--remat`) every weight is gathered at the top, together;
+    under `--remat` each layer gathers its own, again when it is recomputed.
+    """
     cdt = compute_dtype(cfg)
+    if layout.fsdp and not cfg.remat:
+        params, layout = layout.gather_all(params, specs, cdt)
 
     def w(t, spec):
         return layout.gather(t.to(cdt), spec)

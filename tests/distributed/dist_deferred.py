@@ -7,7 +7,9 @@
 - launches its reductions before the backward pass ends (overlap);
 - hands back ordinary tensors (no `Deferred` leaves a body's backward), by
   `torch.autograd.grad` and by `.backward()`, for plain and DTensor inputs;
-- keeps double backward (create_graph) exact.
+- keeps double backward (create_graph) exact;
+- moves weights gathered back to back (FSDP's forward, gathered up front) in
+  one all_gather per bucket, still reported as one all_gather each.
 Returns a list of failure messages (empty: all passed).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Marker(torch.autograd.Function):
 _COUNT = [0]  # gloo all_reduces launched
 _FINISHED = [0]  # collectives finished (waited for and checked)
 _RS = [0]  # gloo reduce-scatters launched
+_AG = [0]  # gloo all_gathers launched
 
 
 def _counting_finish(finish):
@@ -68,6 +71,15 @@ def _fsdp_body(ws, x):
     h = x
     for w in ws:  # each weight arrives as row blocks and is gathered for use: its transpose reduce-scatters
         h = torch.tanh(h @ shmap.all_gather(w, "i", axis=0, tiled=True))
+    return shmap.psum(h.sum(), "i")
+
+
+def _fsdp_prefetch_body(ws, x):
+    whole = [shmap.all_gather(w, "i", axis=k % 2, tiled=k % 3 != 2) for k, w in enumerate(ws)]  # up front
+    h = x
+    for k, w in enumerate(whole):
+        w = w if w.dim() == 2 else w.movedim(k % 2, 0).reshape(-1, w.shape[-1])  # untiled: (n, 16/n, 16)
+        h = torch.tanh(h @ w.reshape(16, 16))
     return shmap.psum(h.sum(), "i")
 
 
@@ -166,6 +178,39 @@ def run_cases():
             if type(a) is not torch.Tensor or not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
                 fails.append(f"FSDP bucket_bytes={bucket}: weight {k}'s gradient is a {type(a).__name__} or "
                              "differs from the simulated mesh's")
+
+    # FSDP, every weight gathered at the top: the gathers share buckets (one all_gather each unbucketed)
+    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    setattr(dist, ag, _counting(getattr(dist, ag), _AG))
+
+    def prefetch(m, bucket):
+        f = shmap.shard_map(_fsdp_prefetch_body, mesh=m, in_specs=(P("i"), P("i")), out_specs=P())
+        prev = shmap.configure_distributed(bucket_bytes=bucket) if m.is_distributed else None
+        _AG[0] = 0
+        try:
+            w = [t.detach().clone().requires_grad_() for t in ws]
+            with shmap.comm_log() as log:
+                out = f(w, x)
+                value = out.to_local() if m.is_distributed else out
+                forward = _AG[0]  # (the backward all-gathers each plain input's gradient: not counted)
+                grads = torch.autograd.grad(value, w)
+        finally:
+            if prev is not None:
+                shmap.configure_distributed(**prev)
+        return value, grads, forward, log.count("all_gather")
+
+    ref_v, ref_g, _, ref_n = prefetch(sim, None)
+    for bucket, expect in ((1, N_WEIGHTS), (1 << 20, 1), (16 * 16 * 8 // world * 3, 2)):
+        value, grads, count, n = prefetch(mesh, bucket)
+        if n != ref_n or count != expect:
+            fails.append(f"FSDP prefetch bucket_bytes={bucket}: {count} gloo all_gathers (expected {expect}), "
+                         f"comm_log {n} all_gathers (simulated {ref_n})")
+        if not torch.allclose(value, ref_v, rtol=1e-12, atol=1e-14):
+            fails.append(f"FSDP prefetch bucket_bytes={bucket}: the loss differs from the simulated mesh's")
+        for k, (a, b) in enumerate(zip(grads, ref_g)):
+            if type(a) is not torch.Tensor or not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
+                fails.append(f"FSDP prefetch bucket_bytes={bucket}: weight {k}'s gradient is a "
+                             f"{type(a).__name__} or differs from the simulated mesh's")
 
     # .backward() accumulates ordinary tensors into .grad
     grads, _, _, _ = _grads(mesh, ws, x, 1 << 20, how="backward")

@@ -1,5 +1,6 @@
-"""Custom autograd Functions and checkpointing in bodies on 4 gloo processes, equal to the
-simulated mesh (values, gradients, comm_log); see dist_interop.py."""
+"""Custom autograd Functions, checkpointing and torch.func transforms in bodies on 4 gloo processes,
+equal to the simulated mesh (values, gradients, comm_log); transforms from outside raise with the fix;
+see dist_interop.py."""
 from __future__ import annotations
 
 import os
@@ -20,3 +21,18 @@ def test_interop_cases_match_simulated():
     results = shmap.spawn(dist_interop.run_cases, nprocs=4, timeout=90)
     assert results[0] == [], "\n\n".join(results[0])
     assert all(r == results[0] for r in results)
+
+
+def test_torch_func_of_a_shard_mapped_function_from_outside_raises_with_the_fix():
+    errors = shmap.spawn(dist_interop.outside_transforms, nprocs=4, timeout=90)[0]
+    for name, what in (("grad", "torch.func.grad"), ("vmap", "torch.vmap"), ("jvp", "torch.func.jvp"),
+                       ("grad (closure)", "torch.func.grad")):
+        msg = errors[name]
+        assert msg.startswith("TransformError: " + what), msg
+        assert "outputs are DTensors" in msg and "Fix: apply the transform inside the body" in msg, msg
+
+
+def test_vmap_of_a_collective_is_one_collective_reported_once_per_example_shape():
+    calls, log = shmap.spawn(dist_interop.vmap_collective_count, nprocs=4, timeout=90)[0]
+    assert calls == [(2, 6)]  # the whole batch (6 examples of [2]) in one all_reduce
+    assert log == [("psum", (2,))]  # as the simulated mesh reports it

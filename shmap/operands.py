@@ -1,0 +1,134 @@
+"""The collectives' shared plumbing: the axis argument, the operand's body and type, the
+implicit `pvary`, the result's type, and the shape and permutation checks (`collectives.py`)."""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from . import context, nesting
+from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, fmt_axes, fmt_vma
+from .tensor import ShTensor, lift
+
+
+def _axes(api: str, axis_name) -> tuple:
+    if isinstance(axis_name, str):
+        return (axis_name,)
+    if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+        if len(set(axis_name)) != len(axis_name):
+            raise CollectiveArgumentError(
+                f"{api}: axis_name {tuple(axis_name)} repeats an axis. Fix: name each mesh axis once."
+            )
+        return tuple(axis_name)
+    raise TypeError(
+        f"{api}: axis_name must be a mesh axis name (str) or a non-empty tuple of names, "
+        f"got {axis_name!r}. Fix: e.g. {api}(x, 'i') or {api}(x, ('i', 'j'))."
+    )
+
+
+_REDUCING = frozenset({"psum", "pmean", "pcast"})
+
+
+def _operand(api: str, x, axes):
+    """(body, ShTensor) for `x`; plain tensors and scalars are invariant values."""
+    body = context.body_for_axes(api, axes, hint=x._body if isinstance(x, ShTensor) else None)
+    if isinstance(x, ShTensor):
+        if x._body is not body:
+            if not nesting.encloses(x._body, body):
+                raise VmaError(
+                    f"{api}: the operand belongs to a different shard_map body than the one binding "
+                    f"{fmt_axes(axes)}. Fix: pass the value into the inner shard_map as an argument."
+                )
+            x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced)  # an enclosing body's value
+        if x._unreduced and api not in _REDUCING:
+            raise VmaError(
+                f"{api}: the operand is unreduced along {fmt_vma(x._unreduced, body.axes)} (a pending sum). "
+                f"Fix: reduce it first with shmap.psum(x, {fmt_axes(body.order(x._unreduced))})."
+            )
+        return body, x
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    return body, ShTensor(x, (), frozenset(), body)
+
+
+def _countable(x: ShTensor) -> ShTensor:
+    """A sum's operand: booleans become int32 counts, as in JAX's psum (every other dtype is
+    summed in its own dtype, integers wrapping, on both meshes)."""
+    if x.dtype == torch.bool:
+        return x.to(torch.int32)
+    return x
+
+
+def _size(body, axes) -> int:
+    return math.prod(body.sizes[a] for a in axes)
+
+
+def _varying(x: ShTensor, axes, body):
+    """Physical tensor of x typed as varying along `axes` too (JAX's implicit pvary)."""
+    if not body.check_vma:
+        return x._phys
+    return lift(x, x._vma | frozenset(axes), body)
+
+
+def _out(phys, paxes, vma_, body):
+    """Wrap a backend result with the type the collective's rule gives it."""
+    if not body.check_vma:
+        vma_ = frozenset(body.axes)
+    return ShTensor(phys, paxes, frozenset(vma_), body)
+
+
+def _dim(api, what, d, rank, allow_end=False):
+    if not isinstance(d, int):
+        raise TypeError(f"{api}: {what} must be an int, got {d!r}.")
+    hi = rank + 1 if allow_end else rank
+    if not -hi <= d < hi:
+        raise CollectiveShapeError(
+            f"{api}: {what}={d} is out of range for a per-device block of rank {rank}. "
+            f"Fix: use a dimension in [{-hi}, {hi})."
+        )
+    return d % hi if hi else 0
+
+
+def _check_split(api, axes, body, x, d, n, tiled, what):
+    """Dimension `d` is cut into `n` chunks (tiled) or is the `n` chunks (untiled)."""
+    if tiled and x.shape[d] % n:
+        raise _shape_error(api, axes, body, x, f"tiled=True needs {what} divisible by {n}",
+                           f"pad dimension {d} to a multiple of {n}")
+    if not tiled and x.shape[d] != n:
+        raise _shape_error(api, axes, body, x, f"tiled=False needs {what} to equal {n}",
+                           f"use tiled=True, or reshape so dimension {d} has size {n}")
+
+
+def _shape_error(api, axes, body, x, rule, fix):
+    sizes = ", ".join(f"{a}={body.sizes[a]}" for a in axes)
+    return CollectiveShapeError(
+        f"{api} over {fmt_axes(axes)} (axis size {_size(body, axes)}: {sizes}; mesh {body.describe()}): "
+        f"{rule}, but the per-device block has shape {tuple(x.shape)}. Fix: {fix}"
+    )
+
+
+def _check_perm(api, perm, n, axes, body):
+    try:
+        pairs = [(operator.index(s), operator.index(d)) for s, d in perm]
+    except (TypeError, ValueError):
+        raise CollectiveArgumentError(
+            f"{api}: perm must be a sequence of (source, destination) integer pairs, got {perm!r}. "
+            "Fix: e.g. perm=[(i, (i + 1) % n) for i in range(n)]."
+        ) from None
+    for s, d in pairs:
+        if not (0 <= s < n and 0 <= d < n):
+            raise CollectiveArgumentError(
+                f"{api}: pair ({s}, {d}) is out of range for axis {fmt_axes(axes)} of size {n} "
+                f"(mesh {body.describe()}). Fix: device indices must lie in [0, {n})."
+            )
+    for which, idx in (("source", 0), ("destination", 1)):
+        seen = {}
+        for p in pairs:
+            if p[idx] in seen:
+                raise CollectiveArgumentError(
+                    f"{api}: {which} {p[idx]} appears twice in perm ({seen[p[idx]]} and {p}); each device may "
+                    f"send at most once and receive at most once. Fix: make perm a partial permutation."
+                )
+            seen[p[idx]] = p
+    return pairs

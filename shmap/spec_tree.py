@@ -1,0 +1,120 @@
+"""`in_specs` / `out_specs` as pytree prefixes of the arguments and outputs, with paths for messages.
+
+`match` walks a spec tree against the values (a leaf spec applies to the whole subtree below it)
+and lists each value leaf with its spec, its path (`in_specs[0]['w']`) and its argument index;
+`rebuild` puts the converted leaves back into the values' containers (tuples, lists, dicts,
+namedtuples).
+"""
+from __future__ import annotations
+
+from .errors import SpecError
+from .mesh import PartitionSpec
+
+
+def _is_spec_leaf(s):
+    return s is None or isinstance(s, PartitionSpec)
+
+
+def _children(tree):
+    """(kind, keys, children) for a container, or None for a leaf."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return "namedtuple", list(tree._fields), list(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree).__name__, list(range(len(tree))), list(tree)
+    if isinstance(tree, dict):
+        keys = list(tree.keys())
+        return "dict", keys, [tree[k] for k in keys]
+    return None
+
+
+def _key_str(kind, k):
+    return f".{k}" if kind == "namedtuple" else f"[{k!r}]"
+
+
+def match(specs, values, path, out, params, *, top, fname, arg=None):
+    """Walk `specs` (a prefix of `values`), appending (path, leaf value, spec, argument index)."""
+    if _is_spec_leaf(specs):
+        if top:
+            # A single spec applies to every argument.
+            for i, v in enumerate(values):
+                _match_leafspec(specs, v, f"{path}[{i}]", out, i)
+        else:
+            _match_leafspec(specs, values, path, out, arg)
+        return
+    sc = _children(specs)
+    if sc is None:
+        raise SpecError(
+            f"shard_map({fname}) {path}: expected a PartitionSpec (shmap.P(...)), None (static argument), "
+            f"or a container of them; got {type(specs).__name__} {specs!r}. "
+            f"Fix: write P({specs!r})" + (" if you meant that axis." if isinstance(specs, str) else ".")
+        )
+    vc = _children(values) if not top else ("tuple", list(range(len(values))), list(values))
+    what = "the positional arguments" if top else f"the value at {path}"
+    if vc is None:
+        raise SpecError(
+            f"shard_map({fname}) {path}: the spec is a {sc[0]} of {len(sc[1])} entries, but {what} is a "
+            f"{type(values).__name__}; specs must be a pytree prefix of "
+            f"{'the arguments' if path.startswith('in') else 'the outputs'}. Fix: use a single P(...) here."
+        )
+    skind, skeys, schildren = sc
+    vkind, vkeys, vchildren = vc
+    if top:
+        skind = "tuple"
+    if (skind in ("dict",)) != (vkind in ("dict",)) or len(skeys) != len(vkeys) or (
+        skind == "dict" and set(skeys) != set(vkeys)
+    ):
+        if top:
+            names = ", ".join(params[: len(values)]) if params else ""
+            desc = f"{len(values)} positional arguments" + (f" ({names})" if names else "")
+        else:
+            desc = f"a {vkind} with {'keys ' + repr(sorted(map(str, vkeys))) if vkind == 'dict' else str(len(vkeys)) + ' entries'}"
+        sdesc = f"a {skind} with {'keys ' + repr(sorted(map(str, skeys))) if skind == 'dict' else str(len(skeys)) + ' entries'}"
+        raise SpecError(
+            f"shard_map({fname}) {path}: specs and values differ in structure here: the spec is {sdesc} "
+            f"but {what} is {desc}. Fix: give one spec per entry (or one P(...) for the whole subtree)."
+        )
+    lookup = dict(zip(vkeys, vchildren))
+    for k, s in zip(skeys, schildren):
+        sub = f"{path}[{k}]" if top else path + _key_str(skind, k)
+        match(s, lookup[k], sub, out, params, top=False, fname=fname, arg=k if top else arg)
+
+
+def _match_leafspec(spec, value, path, out, arg):
+    """A leaf spec applies to every leaf of the value subtree."""
+    vc = _children(value)
+    if vc is None:
+        out.append((path, value, spec, arg))
+        return
+    kind, keys, children = vc
+    for k, c in zip(keys, children):
+        _match_leafspec(spec, c, path + _key_str(kind, k), out, arg)
+
+
+def rebuild(specs, values, it, *, top):
+    if top:
+        if _is_spec_leaf(specs):
+            return tuple(_rebuild_leafspec(v, it) for v in values)
+        return tuple(rebuild(s, v, it, top=False) for s, v in zip(specs, values))
+    if _is_spec_leaf(specs):
+        return _rebuild_leafspec(values, it)
+    kind, keys, children = _children(values)
+    skind, skeys, schildren = _children(specs)
+    sd = dict(zip(skeys, schildren))
+    new = [rebuild(sd[k], c, it, top=False) for k, c in zip(keys, children)]
+    return _rebuild_container(values, keys, new)
+
+
+def _rebuild_leafspec(value, it):
+    vc = _children(value)
+    if vc is None:
+        return next(it)
+    kind, keys, children = vc
+    return _rebuild_container(value, keys, [_rebuild_leafspec(c, it) for c in children])
+
+
+def _rebuild_container(orig, keys, new):
+    if isinstance(orig, dict):
+        return type(orig)(zip(keys, new)) if type(orig) is dict else type(orig)(dict(zip(keys, new)))
+    if isinstance(orig, tuple) and hasattr(orig, "_fields"):
+        return type(orig)(*new)
+    return type(orig)(new)

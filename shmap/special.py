@@ -1,0 +1,237 @@
+"""What a body value means outside batching: metadata, autograd, printing, Python control flow.
+
+`ShTensor.__torch_function__` (tensor.py) looks every function up in `tensor._SPECIAL` first; this
+module fills that table.  Metadata (`.shape`, `.dim()`) is the per-device one; `.grad`, `.data`,
+`backward`, `torch.autograd.grad` and hooks work on the physical tensor and give back body values;
+`repr` prints each device's block; `bool()`, `.item()` and friends raise on a varying value
+(`VaryingControlFlowError`), since devices could take different branches.
+
+The package imports this module (shard_map.py does), so the table is complete before any body runs.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .errors import VmaError, fmt_vma, varying_control_flow
+from .tensor import _SPECIAL, ShTensor, expand_to
+
+
+def _metadata(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _phys_attr(name):
+    def get(func, args, kwargs):
+        return getattr(args[0]._phys, name)
+
+    return get
+
+
+def _grad_get(func, args, kwargs):
+    x = args[0]
+    g = x._phys.grad
+    return None if g is None else ShTensor(g, x._paxes, x._vma, x._body)
+
+
+def _data_get(func, args, kwargs):
+    x = args[0]
+    return ShTensor(x._phys.data, x._paxes, x._vma, x._body)
+
+
+def _requires_grad_(func, args, kwargs):
+    x = args[0]
+    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    x._phys.requires_grad_(flag)
+    x._lifts = None
+    return x
+
+
+def _requires_grad_set(func, args, kwargs):
+    x = args[0]
+    x._phys.requires_grad = args[1]
+    x._lifts = None
+
+
+def _autograd_backward(func, args, kwargs):
+    tensors = args[0] if args else kwargs.pop("tensors")
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    grads = kwargs.pop("grad_tensors", None) if len(args) < 2 else args[1]
+    if grads is None or isinstance(grads, torch.Tensor):
+        grads = [grads] * len(tensors) if grads is None else [grads]
+    inputs = kwargs.pop("inputs", None)
+    if inputs is not None:
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        inputs = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
+    phys = [t._phys if isinstance(t, ShTensor) else t for t in tensors]
+    seeds = [_seed_grad(t, g) for t, g in zip(tensors, grads)]
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.autograd.backward(phys, seeds, inputs=inputs, **kwargs)
+
+
+def _retain_grad(func, args, kwargs):
+    args[0]._phys.retain_grad()
+
+
+def _hash(func, args, kwargs):
+    return id(args[0])
+
+
+def _iter(func, args, kwargs):
+    x = args[0]
+    if x.dim() == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(x.unbind(0))
+
+
+def _concrete(what):
+    def get(func, args, kwargs):
+        x = args[0]
+        if x._vma:
+            raise varying_control_flow(what, x._vma, x._body.mesh)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(x._phys, *args[1:], **kwargs)
+
+    return get
+
+
+def _register_hook(func, args, kwargs):
+    x, hook = args[0], args[1]
+
+    def phys_hook(g):
+        r = hook(ShTensor(g, x._paxes, x._vma, x._body))
+        return None if r is None else to_layout(r, x)
+
+    return x._phys.register_hook(phys_hook)
+
+
+def to_layout(v, like: ShTensor) -> torch.Tensor:
+    """Physical tensor of `v` laid out like `like` (v may vary along a subset)."""
+    body = like._body
+    if isinstance(v, ShTensor):
+        if not v._vma <= like._vma:
+            raise VmaError(
+                f"a value varying along {fmt_vma(v._vma, body.axes)} was given where one varying along "
+                f"{fmt_vma(like._vma, body.axes)} is expected (mesh {body.describe()}). "
+                "Fix: reduce it first, e.g. with shmap.psum."
+            )
+        return expand_to(v._phys, v._paxes, like._paxes, body.sizes)
+    v = torch.as_tensor(v, dtype=like.dtype, device=like.device)
+    return expand_to(v, (), like._paxes, body.sizes)
+
+
+def _seed_grad(out, grad):
+    if grad is None:
+        if isinstance(out, ShTensor) and out.numel() == 1:
+            return torch.ones_like(out._phys)
+        return None
+    if isinstance(out, ShTensor):
+        return to_layout(grad, out)
+    return grad._phys if isinstance(grad, ShTensor) else grad
+
+
+def _backward(func, args, kwargs):
+    x = args[0]
+    gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
+    rest = dict(kwargs)
+    rest.pop("gradient", None)
+    if "inputs" in rest and rest["inputs"] is not None:
+        inp = rest["inputs"]
+        inp = [inp] if isinstance(inp, torch.Tensor) else list(inp)
+        rest["inputs"] = [i._phys if isinstance(i, ShTensor) else i for i in inp]
+    x._phys.backward(_seed_grad(x, gradient), *args[2:], **rest)
+
+
+def _autograd_grad(func, args, kwargs):
+    import inspect
+
+    bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    outputs, inputs, grad_outputs = a["outputs"], a["inputs"], a["grad_outputs"]
+    single_in = isinstance(inputs, torch.Tensor)
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    inputs = [inputs] if single_in else list(inputs)
+    if grad_outputs is None:
+        grad_outputs = [None] * len(outputs)
+    elif isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = [grad_outputs]
+    phys_go = [_seed_grad(o, g) for o, g in zip(outputs, grad_outputs)]
+    phys_out = [o._phys if isinstance(o, ShTensor) else o for o in outputs]
+    phys_in = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
+    rest = {k: v for k, v in a.items() if k not in ("outputs", "inputs", "grad_outputs")}
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = torch.autograd.grad(phys_out, phys_in, phys_go, **rest)
+    res = tuple(
+        ShTensor(g, i._paxes, i._vma, i._body) if (g is not None and isinstance(i, ShTensor)) else g
+        for g, i in zip(grads, inputs)
+    )
+    return res
+
+
+def _format(x: ShTensor) -> str:
+    body = x._body
+    kind = "invariant" if not x._vma else f"varying along {fmt_vma(x._vma, body.axes)}"
+    head = (
+        f"ShTensor(per-device shape {tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}, {kind}, "
+        f"mesh {body.describe()}"
+    )
+    phys = x._phys.detach()
+    if phys.grad_fn is None and x._phys.grad_fn is not None:
+        head += f", grad_fn={type(x._phys.grad_fn).__name__}"
+    head += ")"
+    if not x._paxes:
+        who = body.backend.describe_device() if x._vma else None  # None: every device's block is here
+        if who is not None:  # one process per device: only this device's block is here
+            return head + f"\n  {who}: " + _indent(repr(phys), len(who) + 4)
+        return head + "\n  every device: " + _indent(repr(phys), 16)
+    lines = [head]
+    for idx in itertools.product(*(range(body.sizes[a]) for a in x._paxes)):
+        label = ", ".join(f"{a}={i}" for a, i in zip(x._paxes, idx))
+        lines.append(f"  device ({label}): " + _indent(repr(phys[idx]), 12 + len(label)))
+    return "\n".join(lines)
+
+
+def _indent(s, n):
+    return s.replace("\n", "\n" + " " * n)
+
+
+def _repr(func, args, kwargs):
+    return _format(args[0])
+
+
+def _format_spec(func, args, kwargs):
+    return _format(args[0])
+
+
+_T = torch.Tensor
+for _name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized", "is_meta",
+              "is_mps", "is_cpu", "itemsize", "nbytes"):
+    if hasattr(_T, _name):
+        _SPECIAL[getattr(_T, _name).__get__] = _metadata
+for _m in (_T.size, _T.dim, _T.numel, _T.__len__, _T.is_floating_point, _T.is_complex, _T.element_size,
+           _T.nelement, _T.ndimension, _T.get_device, _T.is_contiguous, _T.stride):
+    _SPECIAL[_m] = _metadata
+for _name in ("requires_grad", "grad_fn", "is_leaf"):
+    _SPECIAL[getattr(_T, _name).__get__] = _phys_attr(_name)
+_SPECIAL[_T.grad.__get__] = _grad_get
+_SPECIAL[_T.data.__get__] = _data_get
+_SPECIAL[_T.requires_grad_] = _requires_grad_
+_SPECIAL[_T.retain_grad] = _retain_grad
+_SPECIAL[_T.requires_grad.__set__] = _requires_grad_set
+_SPECIAL[torch.autograd.backward] = _autograd_backward
+_SPECIAL[_T.register_hook] = _register_hook
+_SPECIAL[_T.__hash__] = _hash
+_SPECIAL[_T.__iter__] = _iter
+_SPECIAL[_T.__repr__] = _repr
+_SPECIAL[_T.__str__] = _repr
+_SPECIAL[_T.__format__] = _format_spec
+_SPECIAL[_T.backward] = _backward
+_SPECIAL[torch.autograd.grad] = _autograd_grad
+for _m, _what in ((_T.__bool__, "Python control flow (`if`/`while`/`bool()`) on a tensor"),
+                  (_T.item, "`.item()`"), (_T.tolist, "`.tolist()`"), (_T.numpy, "`.numpy()`"),
+                  (_T.__int__, "`int()`"), (_T.__float__, "`float()`"), (_T.__index__, "use as an index"),
+                  (_T.__complex__, "`complex()`"), (_T.__array__, "conversion to a NumPy array")):
+    _SPECIAL[_m] = _concrete(_what)
