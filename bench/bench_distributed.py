@@ -11,7 +11,7 @@ hang detection on), with checks off (`check_collectives=False`) and strict
 The raw calls work in place on preallocated buffers (`raw`) or write a fresh
 output (`raw+alloc`, a clone for all_reduce); shmap's collectives are
 functional, so `raw+alloc` is the like-for-like baseline.  Medians of
-per-call times, the variants alternating call by call; ratios are
+per-call times, the variants alternating call by call in rotating order; ratios are
 shmap / raw+alloc (1.00 = same).
 
 Part 2: a data-parallel loss/grad step where every rank computes the same
@@ -119,7 +119,8 @@ def collective_worker(sizes, quick):
 
             def body(b):
                 for it in range(2 + calls):  # two warm-up rounds
-                    for v in variants:
+                    # rotating order: a gloo call's latency depends on what ran just before it
+                    for v in variants[it % len(variants):] + variants[:it % len(variants)]:
                         if v in raws:
                             dist.barrier()  # every call starts with every rank ready
                             t0 = time.perf_counter()
@@ -299,7 +300,7 @@ def main():
     print(f"torch {torch.__version__}, gloo on {os.cpu_count()} CPU cores (load average "
           f"{os.getloadavg()[0]:.1f} at start).\n")
     print("Part 1: one collective on each device's block; microseconds per call (median; the five variants")
-    print("  alternate call by call, each call after a barrier, so the machine's load hits each alike).")
+    print("  alternate call by call in rotating order, each call after a barrier, so the machine's load hits each alike).")
     print("  raw: torch.distributed in place on preallocated buffers; raw+alloc: the same call writing a fresh")
     print("  output (a clone for all_reduce), as any functional API must; shmap in a shard_map body: default")
     print("  (mismatch + hang checks on, signature in the payload), off (check_collectives=False), strict")
