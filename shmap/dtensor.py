@@ -196,9 +196,16 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     from torch.distributed.tensor import DTensor
 
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
-    shape = global_shape(logical_shape, mesh, spec)
     if not (torch.is_grad_enabled() and block.requires_grad):
-        return DTensor(block.view_as(block), _dtensor_spec(mesh, spec, shape, block.dtype), requires_grad=False)
+        key = (id(mesh), spec, logical_shape, block.dtype)  # by the block's shape: no global shape to compute
+        got = _BLOCK_SPECS.get(key)
+        if got is None or got[0] is not mesh:
+            got = _BLOCK_SPECS[key] = (mesh, _dtensor_spec(mesh, spec, global_shape(logical_shape, mesh, spec),
+                                                           block.dtype))
+            if len(_BLOCK_SPECS) >= 4096:
+                _BLOCK_SPECS.clear()
+        return DTensor(block.view_as(block), got[1], requires_grad=False)
+    shape = global_shape(logical_shape, mesh, spec)
     return DTensor.from_local(
         block, mesh.device_mesh, placements(mesh, spec), run_check=False,
         shape=torch.Size(shape), stride=_contiguous_stride(shape),
@@ -207,6 +214,8 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
 
 #: (id(mesh), spec, global shape, dtype) -> (mesh, DTensorSpec): the specs `from_block` builds on
 _SPECS: dict = {}
+#: (id(mesh), spec, block shape, dtype) -> (mesh, DTensorSpec): the same, found by the block's shape
+_BLOCK_SPECS: dict = {}
 
 
 def _dtensor_spec(mesh: Mesh, spec: PartitionSpec, shape, dtype):

@@ -24,7 +24,7 @@ from .backends import for_mesh
 from .compile import register as register_for_compile
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
-from .spec_tree import match, rebuild
+from .spec_tree import cached_match, freeze
 from .tensor import ShTensor, storage_key
 
 
@@ -76,9 +76,12 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
 
     # torch.compile: Dynamo traces `mapped` (also when it is the compiled function itself) and
     # puts `run` in its graph as one node, which AOT autograd traces through (see compile.py).
+    in_specs, out_specs = freeze(in_specs), freeze(out_specs)
+    plans = ({}, {})  # the spec trees' matches, per argument / output structure (spec_tree.cached_match)
+
     def run(*args, device_mesh=None):
         return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args,
-                     default_axes=axis_names is None)
+                     default_axes=axis_names is None, plans=plans)
 
     # Dynamo guards a closure by its code object: each shard_map gets its own, so a graph
     # compiled for one is never reused for another.
@@ -116,7 +119,7 @@ def _param_names(f):
 
 
 def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, *, default_axes=False,
-          parent=None):
+          parent=None, plans=None):
     backend = for_mesh(mesh)  # simulated, or one process per device under torch.distributed
     if parent is None:
         parent = nesting.parent_for(mesh, args)
@@ -125,8 +128,8 @@ def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, 
         body = nesting.inner_body(mesh, manual, parent, check_vma, backend, f"shard_map({fname})")
     else:
         body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend)
-    leaves = []  # (path, value, spec)
-    match(in_specs, args, "in_specs", leaves, params, top=True, fname=fname)
+    plans_in, plans_out = plans or (None, None)
+    leaves, rebuild_in = cached_match(plans_in, in_specs, args, "in_specs", params, top=True, fname=fname)
     values = []
     for path, value, spec, arg in leaves:
         if spec is None:
@@ -134,7 +137,7 @@ def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, 
             continue
         what = f"argument {arg}" + (f" ({params[arg]!r})" if arg is not None and arg < len(params) else "")
         values.append(_enter(path, value, spec, body, mesh, fname, what))
-    body_args = rebuild(in_specs, args, iter(values), top=True)
+    body_args = rebuild_in(values)
 
     stack = context.stack()
     stack.append(body)
@@ -143,10 +146,9 @@ def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, 
     finally:
         stack.pop()
         body.active = False
-    out_leaves = []
-    match(out_specs, out, "out_specs", out_leaves, None, top=False, fname=fname)
+    out_leaves, rebuild_out = cached_match(plans_out, out_specs, out, "out_specs", None, top=False, fname=fname)
     results = [_exit(path, value, spec, body, mesh, fname) for path, value, spec, _ in out_leaves]
-    return rebuild(out_specs, out, iter(results), top=False)
+    return rebuild_out(results)
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,8 @@ namedtuples).
 """
 from __future__ import annotations
 
+import optree
+
 from .errors import SpecError
 from .mesh import PartitionSpec
 
@@ -73,10 +75,19 @@ def match(specs, values, path, out, params, *, top, fname, arg=None):
             f"shard_map({fname}) {path}: specs and values differ in structure here: the spec is {sdesc} "
             f"but {what} is {desc}. Fix: give one spec per entry (or one P(...) for the whole subtree)."
         )
-    lookup = dict(zip(vkeys, vchildren))
-    for k, s in zip(skeys, schildren):
-        sub = f"{path}[{k}]" if top else path + _key_str(skind, k)
-        match(s, lookup[k], sub, out, params, top=False, fname=fname, arg=k if top else arg)
+    for k, s, v in _pairs(skeys, schildren, vkind, vkeys, vchildren):
+        sub = f"{path}[{k}]" if top else path + _key_str(vkind, k)
+        match(s, v, sub, out, params, top=False, fname=fname, arg=k if top else arg)
+
+
+def _pairs(skeys, schildren, vkind, vkeys, vchildren):
+    """(key, spec, value) for each child, in the values' order: the order `rebuild` puts the
+    converted leaves back in.  A dict's spec may list its keys in another order; other containers
+    pair by position (a tuple of specs fits a namedtuple)."""
+    if vkind == "dict":
+        lookup = dict(zip(skeys, schildren))
+        return [(k, lookup[k], v) for k, v in zip(vkeys, vchildren)]
+    return list(zip(vkeys, schildren, vchildren))
 
 
 def _match_leafspec(spec, value, path, out, arg):
@@ -99,8 +110,7 @@ def rebuild(specs, values, it, *, top):
         return _rebuild_leafspec(values, it)
     kind, keys, children = _children(values)
     skind, skeys, schildren = _children(specs)
-    sd = dict(zip(skeys, schildren))
-    new = [rebuild(sd[k], c, it, top=False) for k, c in zip(keys, children)]
+    new = [rebuild(s, c, it, top=False) for _, s, c in _pairs(skeys, schildren, kind, keys, children)]
     return _rebuild_container(values, keys, new)
 
 
@@ -118,3 +128,66 @@ def _rebuild_container(orig, keys, new):
     if isinstance(orig, tuple) and hasattr(orig, "_fields"):
         return type(orig)(*new)
     return type(orig)(new)
+
+
+# --------------------------------------------------------------------------
+# Remembered matches: a call over the same value structure skips the walk
+# --------------------------------------------------------------------------
+def freeze(specs):
+    """A private copy of a spec tree's containers (specs are read when shard_map is called, as in
+    JAX: mutating the caller's dict later changes nothing, and `cached_match` may remember it)."""
+    if _is_spec_leaf(specs):
+        return specs
+    c = _children(specs)
+    if c is None:
+        return specs  # not a spec tree: `match` reports it
+    kind, keys, children = c
+    return _rebuild_container(specs, keys, [freeze(x) for x in children])
+
+
+def cached_match(plans, specs, values, path, params, *, top, fname):
+    """`match` and `rebuild` for one call -> (leaves, rebuild_from(converted leaves)).
+
+    `plans` (a dict per shard_mapped function, or None) remembers, per value
+    structure (an optree treedef), which flat leaf gets which spec and path,
+    so a step over hundreds of parameters does not walk both trees in Python
+    on every call.  A structure `match` and optree see differently (a
+    container type only one of them knows) is not remembered.
+    """
+    if plans is None:
+        out = []
+        match(specs, values, path, out, params, top=top, fname=fname)
+        return out, lambda converted: rebuild(specs, values, iter(converted), top=top)
+    flat, treedef = optree.tree_flatten(values, none_is_leaf=True)
+    plan = plans.get(treedef)
+    if not plan:
+        out = []
+        match(specs, values, path, out, params, top=top, fname=fname)  # the checks and their messages
+        if plan is None and len(plans) < 64:
+            plans[treedef] = _plan(specs, treedef, flat, out, path, params, top, fname)
+        return out, lambda converted: rebuild(specs, values, iter(converted), top=top)
+    leaves = [(p, flat[i], sp, a) for i, p, sp, a in plan]
+
+    def rebuild_from(converted):
+        new = list(flat)
+        for entry, c in zip(plan, converted):
+            new[entry[0]] = c
+        return treedef.unflatten(new)
+
+    return leaves, rebuild_from
+
+
+def _plan(specs, treedef, flat, matched, path, params, top, fname):
+    """[(flat index, path, spec, argument)] in `match`'s order, from a stand-in tree whose leaves are
+    their own flat indices; False unless `match` sees exactly optree's leaves (checked against this
+    call's `matched` leaves: e.g. Dynamo's immutable lists are containers to `match`, leaves to optree)."""
+    out = []
+    try:
+        match(specs, treedef.unflatten(list(range(len(flat)))), path, out, params, top=top, fname=fname)
+    except SpecError:  # optree opens fewer containers here than `match` (Dynamo's immutable dicts)
+        return False
+    idx = [v for _, v, _, _ in out]
+    if (not all(type(i) is int for i in idx) or sorted(idx) != list(range(len(flat)))
+            or len(matched) != len(out) or any(flat[i] is not m[1] for i, m in zip(idx, matched))):
+        return False
+    return [(v, p, sp, a) for p, v, sp, a in out]

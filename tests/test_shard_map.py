@@ -369,3 +369,65 @@ def test_unreduced_out_spec_on_an_invariant_value_raises_as_jax():
     with pytest.raises(shmap.VmaError, match=r"unreduced along 'j' .* but the value is invariant along 'j' .*"
                                              r"would be 2 times the value.*Fix: drop 'j' from unreduced"):
         sm(lambda v: v * 2, P("i"), P("i", unreduced={"j"}))(torch.randn(8))
+
+
+def test_dict_specs_listing_keys_in_another_order_pair_by_key():
+    """A spec dict may list its keys in another order than the value's: each entry gets its own spec,
+    and each converted leaf goes back under its own key (inputs and outputs)."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    x, y = torch.arange(4.0), torch.arange(4.0) + 100
+    f = shmap.shard_map(lambda d: d["a"] - d["b"], mesh=mesh, in_specs=({"b": P(), "a": P()},), out_specs=P())
+    torch.testing.assert_close(f({"a": x, "b": y}), x - y)
+    g = shmap.shard_map(lambda d: {"a": d["a"] * 2, "b": d["b"]}, mesh=mesh,
+                        in_specs=({"b": P(), "a": P("i")},), out_specs={"b": P(), "a": P("i")})
+    out = g({"a": x, "b": y})
+    assert list(out) == ["a", "b"]
+    torch.testing.assert_close(out["a"], 2 * x)
+    torch.testing.assert_close(out["b"], y)
+
+
+def test_a_tuple_of_specs_fits_a_namedtuple_by_position():
+    import collections
+
+    NT = collections.namedtuple("NT", "x y")
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda t: NT(t.x * 2, t.y), mesh=mesh, in_specs=((P("i"), P()),), out_specs=(P("i"), P()))
+    out = f(NT(torch.arange(4.0), torch.ones(3)))
+    assert isinstance(out, NT)
+    torch.testing.assert_close(out.x, 2 * torch.arange(4.0))
+    torch.testing.assert_close(out.y, torch.ones(3))
+
+
+@pytest.mark.parametrize("q", [(1, 2), "deque"])
+def test_repeated_calls_reuse_the_spec_match_and_stay_right(q):
+    """The second call of a structure takes the remembered match (spec_tree.cached_match): same
+    results as the first, for nested dicts listing keys in another order, static arguments and
+    a container optree knows but shard_map treats as one value (a deque, passed static)."""
+    import collections
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    specs = {"w": {"b": P(), "a": P("i")}, "n": None, "q": None}
+
+    def body(d, k):
+        return {"out": d["w"]["a"] * k + d["w"]["b"].sum() + len(d["q"]) + d["n"]}
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(specs, None), out_specs={"out": P("i")})
+    specs["w"]["a"] = P()  # the caller's spec tree changing later changes nothing (read at definition)
+    for step in range(3):
+        a, b = torch.arange(4.0) + step, torch.full((3,), float(step))
+        qv = collections.deque([1, 2]) if q == "deque" else q  # a deque: not remembered (optree opens it)
+        got = f({"w": {"a": a, "b": b}, "n": step, "q": qv}, 2.0)
+        torch.testing.assert_close(got["out"], a * 2.0 + b.sum() + 2 + step)
+
+
+def test_containers_only_shard_map_opens_are_not_remembered_wrongly():
+    """A list subclass is a container to shard_map but a leaf to optree (as Dynamo's immutable
+    lists and dicts are): such a structure is matched afresh on every call, and stays right."""
+    class Params(list):
+        pass
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda ps: ps[0] * ps[1], mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    for step in range(3):
+        a, b = torch.arange(4.0) + step, torch.arange(4.0) * 2
+        torch.testing.assert_close(f(Params([a, b])), a * b)
