@@ -1,8 +1,8 @@
 """Interop cases for the distributed mesh (importable by spawned ranks).
 
 Custom autograd Functions (a collective in backward), torch.utils.checkpoint
-(non-reentrant, a collective in the recomputed region; the reentrant form
-allows only `.backward()`, which check_case does not use) and torch.func
+(non-reentrant and reentrant, a collective in the recomputed region; the reentrant form
+allows only `.backward()`, which check_case does not use: `reentrant_checkpoint`) and torch.func
 transforms (grad, vjp, vmap, jacrev, jacfwd, hessian, with and without a
 collective inside the transformed function) inside bodies: every rank runs
 each on a simulated and on the distributed mesh and compares outputs,
@@ -252,3 +252,18 @@ def nested_shard_map_in_vmap():
         res.append((out.detach(), gx, gw))
     return [f"{k}: max err {(a - b).abs().max().item()}" for k, a, b in zip(("out", "gx", "gw"), *res)
             if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-10, atol=1e-10)]
+
+
+def reentrant_checkpoint():
+    """Reentrant torch.utils.checkpoint (it allows only `.backward()`) around a psum, on the
+    distributed and a simulated mesh -> (gradients equal, distributed comm_log, simulated comm_log)."""
+    out = []
+    world = torch.distributed.get_world_size()
+    for m in (shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)):
+        f = shmap.shard_map(_ckpt(True), mesh=m, in_specs=P("i"), out_specs=P("i"))
+        x = torch.linspace(-1, 1, 4 * world, dtype=torch.float64).reshape(2 * world, 2).requires_grad_()
+        with shmap.comm_log() as log:
+            y = f(x)
+            (y.to_local() if m.is_distributed else y).sum().backward()
+        out.append((x.grad, [(e.kind, e.shape) for e in log.events]))
+    return torch.allclose(out[0][0], out[1][0], rtol=1e-12, atol=1e-14), out[0][1], out[1][1]

@@ -36,3 +36,11 @@ def test_vmap_of_a_collective_is_one_collective_reported_once_per_example_shape(
     calls, log = shmap.spawn(dist_interop.vmap_collective_count, nprocs=4, timeout=90)[0]
     assert calls == [(2, 6)]  # the whole batch (6 examples of [2]) in one all_reduce
     assert log == [("psum", (2,))]  # as the simulated mesh reports it
+
+
+def test_reentrant_checkpoint_matches_simulated():
+    """The reentrant form recomputes its region (psum included) in `.backward()`: same gradients and
+    comm_log (forward psum, recomputed psum, transpose) on both meshes."""
+    for same, dist_log, sim_log in shmap.spawn(dist_interop.reentrant_checkpoint, nprocs=2, timeout=90):
+        assert same
+        assert dist_log == sim_log and [k for k, _ in dist_log] == ["psum", "psum", "psum"], dist_log
