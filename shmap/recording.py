@@ -42,10 +42,8 @@ class LogComm(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _fwd, _bwd):
-        # Forward mode: the tangent goes through the same collective as the primal.
-        fwd = ctx.events[0]
-        if fwd is not None:
-            ops.record(fwd, t)
+        # Forward mode: the tangent moves in the same collective as the primal (JAX's psum takes
+        # both as operands of one collective), so it is not reported again; nor on processes.
         return t.view_as(t)
 
     @staticmethod
@@ -56,6 +54,7 @@ class LogComm(torch.autograd.Function):
 
 
 _FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
@@ -63,7 +62,9 @@ def log_comm(phys, fwd, bwd):
     """Attach the (forward, transpose) communication events to `phys`."""
     if fwd is None and bwd is None:
         return phys
-    if not (torch.is_grad_enabled() and phys.requires_grad):
+    # A vmap's batched value does not show requires_grad (autograd runs below it): the node is
+    # needed whenever grad mode is on, or its backward would report no transpose.
+    if not (torch.is_grad_enabled() and (phys.requires_grad or _functorch_wrapped(phys))):
         if fwd is not None:
             ops.record(fwd, phys)
         return phys

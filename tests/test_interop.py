@@ -353,3 +353,21 @@ def test_collective_ops_exist_and_their_fake_implementations_give_the_shapes(dev
             out = op(torch.empty(shape, dtype=torch.float16), *args)
             assert tuple(out.shape) == want, (op, args)
             assert out.dtype == torch.float16
+
+
+def test_vmap_in_a_body_reports_its_transposes_and_forward_mode_reports_a_collective_once():
+    """A vmap's batched values do not show requires_grad, yet their backward transposes (and reports)
+    each collective; a tangent moves in its primal's collective (one psum, as JAX's takes both)."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    f = shmap.shard_map(lambda x: torch.vmap(lambda c: shmap.all_gather(c, "i", tiled=True), in_dims=1,
+                                             out_dims=1)(x), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    x = torch.randn(8, 3, requires_grad=True)
+    with shmap.comm_log() as log:
+        f(x).sum().backward()
+    assert [(e.kind, e.shape) for e in log.events] == [("all_gather", (2,)), ("psum_scatter", (8,))]
+    torch.testing.assert_close(x.grad, torch.full((8, 3), 4.0))
+    g = shmap.shard_map(lambda x: torch.func.jvp(lambda r: shmap.psum(r, "i"), (x,), (x,))[1], mesh=mesh,
+                        in_specs=P("i"), out_specs=P())
+    with shmap.comm_log() as log:
+        g(torch.randn(8, 3))
+    assert log.count("psum") == 1
