@@ -12,7 +12,7 @@ import torch
 from ..errors import SpecError, TransformError
 from ..mesh import PartitionSpec
 from .deferred import arrived
-from .functions import _Function, _functorch_active, _keep_args, _wrapped
+from .functions import _Function, _keep_args
 from .transports import _gather_rows
 
 
@@ -26,7 +26,7 @@ def _take_block(x, starts):
 # (`functions._Function`), as torch.func requires: a nested shard_map inside a transformed function
 # cuts and assembles blocks with them.  A vmap rule puts the batch dim first and, where the Function
 # cuts or assembles blocks, describes the batch by a spec with a leading unsplit dim.  From outside a
-# top-level shard_map, a transform is refused (`Arrive.apply`, `TransformError`).
+# top-level shard_map, a transform is refused (`Distributed.split`, `TransformError`).
 def _batch_first(x, bdim):
     return x if bdim == 0 else x.movedim(bdim, 0)
 
@@ -41,14 +41,9 @@ class Arrive(_Function):
 
     Created when the body starts, so autograd runs it after every node of the
     body: the reductions launched on the way (`deferred`) overlap the rest of
-    the backward pass, and what leaves the body is an ordinary tensor.
+    the backward pass, and what leaves the body is an ordinary tensor.  (No vmap or jvp rule: only
+    `Distributed.split` makes one, and it refuses a torch.func transform from outside first.)
     """
-
-    @classmethod
-    def apply(cls, x):
-        if _functorch_active() and _wrapped(x):  # only `split` makes an Arrive: a transform from outside
-            raise outside_transform_error()
-        return super().apply(x)
 
     @staticmethod
     def forward(x):
@@ -61,14 +56,6 @@ class Arrive(_Function):
     @staticmethod
     def backward(ctx, ct):
         return arrived(ct)
-
-    @staticmethod
-    def vmap(info, in_dims, x):
-        return Arrive.apply(x), in_dims[0]
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t.view_as(t)
 
 
 _TRANSFORMS = {

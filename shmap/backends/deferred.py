@@ -38,7 +38,7 @@ import torch
 from .config import _OPTIONS
 from .traced import tracing
 from .transports import (_MOVABLE, _all_gather, _chunks, _contiguous_strides, _launch_all_reduce,
-                         _launch_gather_rows, _launch_psum_scatter)
+                         _launch_gather_rows, _launch_psum_scatter, result_shape)
 
 
 class Deferred(torch.Tensor):
@@ -96,11 +96,7 @@ def psum(ct, g):
 def psum_scatter(ct, g, dim, tiled):
     """psum_scatter of a cotangent over group `g`: bucketed and read later where that is safe."""
     ct = arrived(ct)
-    shape = list(ct.shape)
-    if tiled:
-        shape[dim] //= g.n
-    else:
-        del shape[dim]
+    shape = result_shape("psum_scatter", ct.shape, g, scatter_dimension=dim, tiled=tiled)
     if not _bucketable(ct, g):
         flight, result = _launch_psum_scatter(ct, g, dim, tiled)
         return _hand_on(flight, result, ct, shape, defer=_deferrable(ct))
@@ -120,13 +116,9 @@ def all_gather(x, g, axis, tiled):
     if not (_bucketable(x, g) and x.dtype in _MOVABLE
             and torch._C._functorch.peek_interpreter_stack() is None):
         return _all_gather(x, g, axis, tiled)
-    shape = list(x.shape)
-    if tiled:
-        shape[axis] *= g.n
-    else:
-        shape.insert(axis, g.n)
+    shape = result_shape("all_gather", x.shape, g, axis=axis, tiled=tiled)
     part = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
-    return _bucket(g, "all_gather", x).add(part, tuple(shape), x.dtype, (tuple(x.shape), axis, tiled))
+    return _bucket(g, "all_gather", x).add(part, shape, x.dtype, (tuple(x.shape), axis, tiled))
 
 
 def _bucketable(ct, g) -> bool:

@@ -28,7 +28,7 @@ import torch
 
 from . import deferred
 from .traced import tracing
-from .transports import _all_gather, _all_reduce, _all_to_all, _ppermute, _psum_scatter
+from .transports import _all_gather, _all_reduce, _all_to_all, _ppermute, _psum_scatter, result_shape
 
 _LIB = torch.library.Library("shmap", "FRAGMENT")  # ops.py and traced.py add shmap:: ops too
 
@@ -88,34 +88,16 @@ def _all_to_all_kernel(x, group, split_axis, concat_axis, tiled):
     return _all_to_all(x, _GROUPS[group], split_axis, concat_axis, tiled)
 
 
-def _gathered_shape(shape, n, axis, tiled):
-    shape = list(shape)
-    if tiled:
-        shape[axis] *= n
-    else:
-        shape.insert(axis, n)
-    return shape
-
-
-def _scattered_shape(shape, n, dim, tiled):
-    shape = list(shape)
-    if tiled:
-        shape[dim] //= n
-    else:
-        del shape[dim]
-    return shape
-
-
 def _fake_psum(x, group, kind):
     return torch.empty_like(x)
 
 
-def _fake_all_gather(x, group, axis, tiled, kind):
-    return x.new_empty(_gathered_shape(x.shape, _GROUPS[group].n, axis, tiled))
+def _fake_all_gather(x, group, axis, tiled, kind):  # (all_gather_invariant: the same shape)
+    return x.new_empty(result_shape("all_gather", x.shape, _GROUPS[group], axis=axis, tiled=tiled))
 
 
 def _fake_psum_scatter(x, group, dim, tiled):
-    return x.new_empty(_scattered_shape(x.shape, _GROUPS[group].n, dim, tiled))
+    return x.new_empty(result_shape("psum_scatter", x.shape, _GROUPS[group], scatter_dimension=dim, tiled=tiled))
 
 
 def _fake_ppermute(x, group, perm):
@@ -123,8 +105,8 @@ def _fake_ppermute(x, group, perm):
 
 
 def _fake_all_to_all(x, group, split_axis, concat_axis, tiled):
-    n = _GROUPS[group].n
-    return x.new_empty(_gathered_shape(_scattered_shape(x.shape, n, split_axis, tiled), n, concat_axis, tiled))
+    return x.new_empty(result_shape("all_to_all", x.shape, _GROUPS[group], split_axis=split_axis,
+                                    concat_axis=concat_axis, tiled=tiled))
 
 
 for _name, _kernel, _fake in (

@@ -95,13 +95,7 @@ class Simulated(Backend):
             paxes = paxes[:d] + paxes[d + 1:]
         target = body.order((*paxes, *named))
         phys = expand_to(phys, paxes, target, body.sizes)
-        k = len(target)
-        perm, out_shape = [], []
-        for d, size in enumerate(logical_shape):
-            axes = spec.dim_axes(d)
-            perm.extend(target.index(a) for a in axes)
-            perm.append(k + d)
-            out_shape.append(size * math.prod(body.sizes[a] for a in axes))
+        perm, out_shape = _interleave(target, spec, body, logical_shape)
         return phys.permute(perm).reshape(out_shape)
 
     def _assembly_plan(self, paxes, spec, body, logical_shape):
@@ -113,14 +107,7 @@ class Simulated(Backend):
         if any(a not in named for a in paxes):
             return None
         target = body.order((*paxes, *named))
-        k = len(target)
-        perm, out_shape = [], []
-        for d, size in enumerate(logical_shape):
-            axes = spec.dim_axes(d)
-            perm.extend(target.index(a) for a in axes)
-            perm.append(k + d)
-            out_shape.append(size * math.prod(body.sizes[a] for a in axes))
-        return target, perm, out_shape
+        return (target, *_interleave(target, spec, body, logical_shape))
 
     def input_value(self, phys, paxes, body):
         """With check_vma=False every value is treated as varying on every axis."""
@@ -386,3 +373,16 @@ _SPLITS: dict = {}
 _ASSEMBLIES: dict = {}
 
 SIMULATED = Simulated()
+
+
+def _interleave(target, spec, body, logical_shape):
+    """(permutation, global shape) that put each named device dim of a value laid out as
+    `[*target devices, *logical_shape]` just before the dimension `spec` splits over it."""
+    k = len(target)
+    perm, out_shape = [], []
+    for d, size in enumerate(logical_shape):
+        axes = spec.dim_axes(d)
+        perm.extend(target.index(a) for a in axes)
+        perm.append(k + d)
+        out_shape.append(size * math.prod(body.sizes[a] for a in axes))
+    return perm, out_shape

@@ -414,7 +414,7 @@ def ppermute(x, g: Group, perm):
 
 
 def all_to_all(x, g: Group, split_axis, concat_axis, tiled):
-    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _as_bytes, _chunks
+    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _all_to_all_result, _as_bytes, _chunks
 
     chunks = _chunks(x, g.n, split_axis, tiled)  # [dst, *chunk]
     if g.n > 1:
@@ -440,14 +440,5 @@ def all_to_all(x, g: Group, split_axis, concat_axis, tiled):
             spec = _spec(g, "all_to_all", x.shape, x.dtype, extra, None, inp.dtype)
             t = _begin(inp, spec)
             out = _moved(exchange, torch.cat([inp.reshape(-1), t]).view(inp.shape), t, spec)
-        if out.dtype != x.dtype:
-            out = out.view(x.dtype).reshape(chunks.shape)
-        if g.g2t is not None:
-            out = out.index_select(0, torch.tensor(g.t2g, device=x.device))
-        chunks = out  # [src, *chunk]
-    else:
-        chunks = chunks.clone()
-    t = chunks.movedim(0, concat_axis)
-    if tiled:
-        t = t.flatten(concat_axis, concat_axis + 1)
-    return t
+        return _all_to_all_result(out, x, chunks, g, concat_axis, tiled)
+    return _all_to_all_result(None, x, chunks, g, concat_axis, tiled)

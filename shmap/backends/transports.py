@@ -303,6 +303,14 @@ def _launch_gather_rows(x, g: Group, kind, extra=""):
     return flight, result
 
 
+def result_shape(name, shape, g: Group, **params) -> tuple:
+    """The shape collective `name` gives a block of `shape` over group `g`: its type rule
+    (`collectives.COLLECTIVES`), the one definition both meshes type results by."""
+    from ..collectives import COLLECTIVES  # (the front end: imported on use, not at start-up)
+
+    return COLLECTIVES[name].rule(frozenset(), tuple(shape), g.axes, g.n, **params)[1]
+
+
 def _all_gather(x, g: Group, axis, tiled, kind="all_gather"):
     rows = _gather_rows(x, g, kind, f"axis={axis}, tiled={tiled}")
     t = rows.movedim(0, axis)
@@ -426,14 +434,20 @@ def _all_to_all(x, g: Group, split_axis, concat_axis, tiled):
                      lambda pg: dist.all_to_all_single(sout, sin, group=pg, async_op=True), extra,
                      seal=Seal("bytes", None, sout[:, nb:], expect))
                 out = _unseal_bytes(sout, nb, inp.dtype, inp.shape)
+        return _all_to_all_result(out, x, chunks, g, concat_axis, tiled)
+    return _all_to_all_result(None, x, chunks, g, concat_axis, tiled)
+
+
+def _all_to_all_result(out, x, chunks, g: Group, concat_axis, tiled):
+    """The rows an all_to_all received (`out`, [src, *chunk] in group order, as bytes where `x`'s
+    dtype does not move; None with one device: its own `chunks`) -> the result: `x`'s dtype, mesh
+    order, the rows concatenated along `concat_axis`.  (traced.py's all_to_all ends here too.)"""
+    if out is None:
+        out = chunks.clone()
+    else:
         if out.dtype != x.dtype:
             out = out.view(x.dtype).reshape(chunks.shape)
         if g.g2t is not None:
             out = out.index_select(0, torch.tensor(g.t2g, device=x.device))
-        chunks = out  # [src, *chunk]
-    else:
-        chunks = chunks.clone()
-    t = chunks.movedim(0, concat_axis)
-    if tiled:
-        t = t.flatten(concat_axis, concat_axis + 1)
-    return t
+    t = out.movedim(0, concat_axis)
+    return t.flatten(concat_axis, concat_axis + 1) if tiled else t
