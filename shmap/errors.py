@@ -40,8 +40,8 @@ class InPlaceInputError(ShmapError, RuntimeError):
 
 
 class TransformError(ShmapError, NotImplementedError):
-    """A torch.func transform applied where the distributed mesh cannot carry it (from outside a
-    shard_mapped function: its outputs are DTensors)."""
+    """A torch.func transform applied where the distributed mesh cannot carry it (a DTensor argument
+    of a shard_mapped function under a transform from outside)."""
 
 
 class DistributedError(ShmapError, RuntimeError):

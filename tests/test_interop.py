@@ -319,6 +319,23 @@ def test_autograd_function_under_torch_func_inside_and_outside_a_body():
     torch.testing.assert_close(torch.vmap(f)(xs), (xs ** 3).sum(1))
 
 
+def test_torch_func_of_a_check_vma_false_shard_map_from_outside():
+    """An unmapped output with check_vma=False keeps device 0's copy (`TakeFirst`, cotangent / size):
+    grad, jvp and vmap of it from outside equal plain PyTorch's of the same math."""
+    w, x = torch.randn(3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    f = shmap.shard_map(lambda w, x: shmap.psum((torch.cos(x) * w).sum(), "i"), mesh=MESH,
+                        in_specs=(P(), P("i")), out_specs=P(), check_vma=False)
+
+    def ref(w):
+        return (torch.cos(x) * w).sum()
+
+    torch.testing.assert_close(torch.func.grad(lambda w: f(w, x))(w), torch.func.grad(ref)(w))
+    torch.testing.assert_close(torch.func.jvp(lambda w: f(w, x), (w,), (x[0],)), torch.func.jvp(ref, (w,), (x[0],)))
+    ws = torch.stack([w, 2 * w])
+    torch.testing.assert_close(torch.vmap(lambda w: f(w, x))(ws), torch.vmap(ref)(ws))
+    torch.testing.assert_close(torch.func.hessian(lambda w: f(w, x) ** 2)(w), torch.func.hessian(lambda w: ref(w) ** 2)(w))
+
+
 # ----------------------------------------------------------------------------
 # The distributed collectives as torch.library ops (shmap/backends/library.py)
 # ----------------------------------------------------------------------------

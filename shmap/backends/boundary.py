@@ -24,9 +24,9 @@ def _take_block(x, starts):
 
 # The boundary's Functions are in `setup_context` form with `vmap` and `jvp` rules
 # (`functions._Function`), as torch.func requires: a nested shard_map inside a transformed function
-# cuts and assembles blocks with them.  A vmap rule puts the batch dim first and, where the Function
-# cuts or assembles blocks, describes the batch by a spec with a leading unsplit dim.  From outside a
-# top-level shard_map, a transform is refused (`Distributed.split`, `TransformError`).
+# cuts and assembles blocks with them, and so does a top-level shard_map under a transform from
+# outside (`split_transformed`).  A vmap rule puts the batch dim first and, where the Function
+# cuts or assembles blocks, describes the batch by a spec with a leading unsplit dim.
 def _batch_first(x, bdim):
     return x if bdim == 0 else x.movedim(bdim, 0)
 
@@ -41,8 +41,8 @@ class Arrive(_Function):
 
     Created when the body starts, so autograd runs it after every node of the
     body: the reductions launched on the way (`deferred`) overlap the rest of
-    the backward pass, and what leaves the body is an ordinary tensor.  (No vmap or jvp rule: only
-    `Distributed.split` makes one, and it refuses a torch.func transform from outside first.)
+    the backward pass, and what leaves the body is an ordinary tensor.  (No vmap or jvp rule: under
+    a torch.func transform `split_transformed` takes the block instead.)
     """
 
     @staticmethod
@@ -58,25 +58,42 @@ class Arrive(_Function):
         return arrived(ct)
 
 
-_TRANSFORMS = {
-    "Grad": ("torch.func.grad (or vjp, jacrev, hessian)", "torch.func.grad(loss)(w, x)"),
-    "Jvp": ("torch.func.jvp (or jacfwd)", "torch.func.jvp(f, (w,), (t,))"),
-    "Vmap": ("torch.vmap", "torch.vmap(f)(x)"),
-}
+def _transformed() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is active around this call."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def outside_transform_error() -> TransformError:
-    """Why a torch.func transform of a shard_mapped function fails on a distributed mesh, and the fix."""
-    key = torch._C._functorch.peek_interpreter_stack().key().name
-    name, inside = _TRANSFORMS.get(key, (f"a torch.func transform ({key})", "the transform"))
-    return TransformError(
-        f"{name} of a shard_mapped function on a distributed mesh is not supported: the function's outputs "
-        "are DTensors, and torch.func cannot carry a DTensor (its autograd Functions are not in "
-        "setup_context form). Fix: apply the transform inside the body, where the distributed mesh supports "
-        f"it (e.g. `shard_map(lambda w, x: {inside}, ...)`), or differentiate from outside with "
-        "torch.autograd.grad / .backward() on the output. On a simulated mesh "
-        "(`make_mesh(..., distributed=False)`) the transform works from outside too."
-    )
+def _unwrapped(x):
+    """`x` without its torch.func wrappers (the tensor the transforms were applied to)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._C._functorch.is_batchedtensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
+def split_transformed(backend, x, spec, body):
+    """This rank's block of a plain global value, under a torch.func transform from outside.
+
+    Only the boundary's own Functions, which carry vmap and jvp rules, touch
+    the value (no `Arrive`: a transform's backward builds a graph, so nothing
+    is deferred), and `assemble` returns the outputs as plain global tensors,
+    which functorch can carry (a DTensor it cannot).  So `torch.func.grad(f)`
+    of a shard_mapped `f` gives on every rank what the simulated mesh gives.
+    """
+    from .. import dtensor as dt
+
+    if dt.is_dtensor(_unwrapped(x)):
+        raise TransformError(
+            f"shard_map: a DTensor argument (in_spec {spec}) under a torch.func transform from outside: "
+            "torch.func cannot carry a DTensor (its autograd Functions have no functorch rules). "
+            "Fix: pass the global value as a plain tensor (`x.full_tensor()`, outside the transform), "
+            "or apply the transform inside the body."
+        )
+    starts = backend._block_starts(spec, x.shape)
+    if starts:
+        x = TakeBlock.apply(x, backend, spec, body)
+    if spec.unreduced:
+        x = PendingTerm.apply(x, all(backend.coords[a] == 0 for a in spec.unreduced))
+    return x
 
 
 class ScaleGrad(_Function):

@@ -45,7 +45,8 @@ from .boundary import (  # noqa: F401  (re-exported)
     PendingTermT,
     ScaleGrad,
     TakeBlock,
-    outside_transform_error,
+    _transformed,
+    split_transformed,
     _assemble_blocks,
     _take_block,
     check_dtensor_layout,
@@ -186,9 +187,9 @@ class Distributed(Backend):
         """
         from .. import dtensor as dt
 
-        if torch._C._functorch.peek_interpreter_stack() is not None:  # a torch.func transform from outside
-            raise outside_transform_error()
         axes = body.order(spec.axes())
+        if _transformed():  # a torch.func transform from outside: plain tensors in and out
+            return split_transformed(self, x, spec, body), axes
         if dt.is_dtensor(x):
             x = dt.local_block(x, self.mesh, spec)
             return (Arrive.apply(x) if _grad(x) else x), axes
@@ -248,13 +249,16 @@ class Distributed(Backend):
                 traced.body_end(logical_shape, phys.dtype, f"first out_spec {spec}", phys)
             elif not self.watch.body_done():
                 self.watch.check("end of shard_map body", (), logical_shape, phys.dtype, f"first out_spec {spec}")
+        transformed = _transformed()
         if not body.check_vma:
             named = set(spec.axes())
             drop = [a for a in body.axes if a not in named]
             if drop:
                 n = math.prod(body.sizes[a] for a in drop)
-                if torch.is_grad_enabled() and phys.requires_grad:
+                if transformed or (torch.is_grad_enabled() and phys.requires_grad):
                     phys = ScaleGrad.apply(phys, 1.0 / n)
+        if transformed:  # the global value as a plain tensor, as the simulated mesh returns it
+            return AssembleBlocks.apply(phys, self, spec, body) if spec.axes() else phys
         return dt.from_block(phys, self.mesh, spec, tuple(logical_shape))
 
     def input_value(self, phys, paxes, body):
@@ -282,8 +286,12 @@ class Distributed(Backend):
         """A pending sum leaves as it is: `assemble` places it `Partial` along `axes`.
 
         No collective runs; the DTensor reduces when it is redistributed (e.g.
-        by `full_tensor()`).
+        by `full_tensor()`).  Under a torch.func transform from outside, where
+        the output is a plain tensor, the terms are summed here (boundary
+        traffic, not reported: the simulated mesh sums them the same way).
         """
+        if _transformed():
+            return Psum.apply(phys, self.group(axes), False), tuple(a for a in paxes if a not in axes)
         return phys, paxes
 
     # ------------------------------------------------------------------

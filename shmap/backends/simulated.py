@@ -355,18 +355,31 @@ def _scatter_front(t, axes, other, body):
 
 
 class TakeFirst(torch.autograd.Function):
-    """Device 0's copy along one leading dim; cotangent spread as ct / size (JAX's defensive transpose)."""
+    """Device 0's copy along one leading dim; cotangent spread as ct / size (JAX's defensive transpose).
+
+    In `setup_context` form with a jvp rule and a generated vmap rule, so a
+    torch.func transform of a check_vma=False shard_map works from outside.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, phys, dim, size):
-        ctx.dim, ctx.size = dim, size
+    def forward(phys, dim, size):
         return phys.select(dim, 0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.dim, ctx.size = inputs
 
     @staticmethod
     def backward(ctx, g):
         shape = list(g.shape)
         shape.insert(ctx.dim, ctx.size)
         return (g / ctx.size).unsqueeze(ctx.dim).expand(shape), None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return t.select(ctx.dim, 0)
 
 
 _SPLITS: dict = {}

@@ -6,10 +6,10 @@ allows only `.backward()`, which check_case does not use: `reentrant_checkpoint`
 transforms (grad, vjp, vmap, jacrev, jacfwd, hessian, with and without a
 collective inside the transformed function) inside bodies: every rank runs
 each on a simulated and on the distributed mesh and compares outputs,
-gradients and comm_log (dist_cases.check_case).  A transform of a
-shard_mapped function from outside raises `TransformError` on the
-distributed mesh (its outputs are DTensors); `outside_transforms` collects
-those errors.
+gradients and comm_log (dist_cases.check_case).  Transforms *of* a
+shard_mapped function from outside (`outside_transforms`: every transform
+over OUTSIDE's bodies) are compared the same way; their results are plain
+tensors on both meshes.
 """
 from __future__ import annotations
 
@@ -187,27 +187,121 @@ def run_cases():
 # --------------------------------------------------------------------------
 # torch.func from outside a shard_mapped function; one collective per vmap
 # --------------------------------------------------------------------------
-def outside_transforms():
-    """{transform: the error it raises} for transforms of a shard_mapped function on the distributed mesh."""
-    mesh = shmap.make_mesh((4,), ("i",))
-    f = shmap.shard_map(lambda w, x: shmap.psum(torch.tanh(x @ w).sum(), "i"), mesh=mesh,
-                        in_specs=(P(), P("i")), out_specs=P())
-    w, x = torch.randn(3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
-    calls = {
-        "grad": lambda: torch.func.grad(lambda w: f(w, x).full_tensor())(w),
-        "vmap": lambda: torch.vmap(lambda w: f(w, x).full_tensor())(torch.stack([w, w])),
-        "jvp": lambda: torch.func.jvp(lambda w: f(w, x).full_tensor(), (w,), (w,)),
-        # no argument depends on the transform (it closes over w): caught at the boundary all the same
-        "grad (closure)": lambda: torch.func.grad(lambda v: f(w, x).full_tensor() * v)(torch.tensor(1.0)),
+def _body_loss(w, x):
+    return shmap.psum(torch.tanh(x @ w).sum(), "i")
+
+
+def _body_gather(w, x):  # mesh (2, 2): x [4, 6] P('i', 'j'), w [6] P('j')
+    y = shmap.all_gather(x * w, "j", axis=1, tiled=True)
+    return shmap.psum(torch.sin(y) * y.sum(), "i")
+
+
+def _body_movers(w, x):  # x [8, 3] P('i'): every collective that moves data, and a pmax
+    y = torch.sin(x * w)
+    y = shmap.ppermute(y, "i", [(0, 1), (1, 2), (2, 3), (3, 0)]) + shmap.pmax(y, "i")
+    z = shmap.all_to_all(shmap.all_gather(y, "i", tiled=True), "i", 0, 0, tiled=True)
+    return shmap.psum_scatter(z * z, "i", tiled=True)
+
+
+#: (name, mesh shape, names, body, in_specs, out_specs, check_vma, argument shapes)
+OUTSIDE = [
+    ("psum of a loss", (4,), ("i",), _body_loss, (P(), P("i")), P(), True, ((3,), (8, 3))),
+    ("sharded output", (4,), ("i",), lambda w, x: torch.tanh(x @ w), (P(), P("i")), P("i"), True,
+     ((3,), (8, 3))),
+    ("two axes, all_gather", (2, 2), ("i", "j"), _body_gather, (P("j"), P("i", "j")), P(None, "j"), True,
+     ((6,), (4, 6))),
+    ("ppermute, pmax, all_gather, all_to_all, psum_scatter", (4,), ("i",), _body_movers, (P(), P("i")),
+     P("i"), True, ((3,), (8, 3))),
+    ("unreduced output", (4,), ("i",), lambda w, x: torch.sin(x * w).sum(0), (P(), P("i")),
+     P(unreduced={"i"}), True, ((3,), (8, 3))),
+    ("unreduced input", (4,), ("i",), lambda w, x: shmap.psum(w + 0 * w, "i") * shmap.psum(x.sum(0), "i"),
+     (P(unreduced={"i"}), P("i")), P(), True, ((3,), (8, 3))),
+    ("check_vma=False", (4,), ("i",), lambda w, x: shmap.psum(torch.cos(x) * w, "i"), (P(), P("i")), P(),
+     False, ((3,), (8, 3))),
+]
+
+
+def _transforms(f, args, cot):
+    """Every torch.func transform of `f` (first argument transformed where one is picked)."""
+    first, rest = args[0], args[1:]
+
+    def loss(*a):
+        return (f(*a) * cot).sum()
+
+    def of_first(v):
+        return f(v, *rest)
+
+    batch = torch.stack([first, 2 * first])
+    return {
+        "grad": lambda: torch.func.grad(loss, argnums=tuple(range(len(args))))(*args),
+        "vjp": lambda: torch.func.vjp(f, *args)[1](cot),
+        "jvp": lambda: torch.func.jvp(f, tuple(args), tuple(torch.cos(a) for a in args)),
+        "vmap": lambda: torch.vmap(of_first)(batch),
+        "jacrev": lambda: torch.func.jacrev(of_first)(first),
+        "jacfwd": lambda: torch.func.jacfwd(of_first)(first),
+        "hessian": lambda: torch.func.hessian(lambda v: loss(v, *rest))(first),
+        "vmap of grad": lambda: torch.vmap(torch.func.grad(lambda v: loss(v, *rest)))(batch),
+        "grad of a closure": lambda: torch.func.grad(lambda s: loss(*args) * s)(torch.tensor(1.5, dtype=first.dtype)),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "no error"
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"{type(e).__name__}: {e}"
-    return out
+
+
+def _flat(r):
+    r = r if isinstance(r, tuple) else (r,)
+    return [t for x in r for t in (_flat(x) if isinstance(x, tuple) else (x,))]
+
+
+def outside_transforms():
+    """Differences between the simulated and distributed meshes for torch.func transforms *of*
+    shard_mapped functions (values, result types, comm_log), over OUTSIDE x every transform."""
+    bad = []
+    for name, shape, names, body, in_specs, out_specs, check_vma, shapes in OUTSIDE:
+        rng = np.random.default_rng(len(name))
+        args = [torch.tensor(rng.standard_normal(s)) for s in shapes]
+        got = {}
+        for dist in (False, True):
+            mesh = shmap.make_mesh(shape, names, distributed=dist)
+            f = shmap.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+            cot = torch.tensor(rng.standard_normal(tuple(f(*args).shape))) if not dist else got[False]["cot"]
+            got[dist] = {"cot": cot}
+            for what, call in _transforms(f, args, cot).items():
+                try:
+                    with shmap.comm_log() as log:
+                        out = _flat(call())
+                    got[dist][what] = (out, [(e.kind, e.axes, tuple(e.shape)) for e in log.events])
+                except Exception as e:  # noqa: BLE001
+                    got[dist][what] = f"{type(e).__name__}: {e}"
+        for what in got[False]:
+            if what == "cot":
+                continue
+            sim, dst = got[False][what], got[True][what]
+            if isinstance(sim, str) or isinstance(dst, str):
+                bad.append(f"{name} / {what}: simulated {sim if isinstance(sim, str) else 'ok'}, "
+                           f"distributed {dst if isinstance(dst, str) else 'ok'}")
+                continue
+            (a, la), (b, lb) = sim, dst
+            if [type(t) for t in b] != [torch.Tensor] * len(b):
+                bad.append(f"{name} / {what}: distributed results are {[type(t).__name__ for t in b]}")
+            elif len(a) != len(b) or any(x.shape != y.shape or not torch.allclose(x, y, rtol=1e-10, atol=1e-12)
+                                         for x, y in zip(a, b)):
+                bad.append(f"{name} / {what}: values differ: {a} vs {b}")
+            if la != lb:
+                bad.append(f"{name} / {what}: comm_log {lb} != simulated {la}")
+            if not la and any(k in name for k in ("psum", "all_gather")):
+                bad.append(f"{name} / {what}: no collective recorded")
+    return bad
+
+
+def dtensor_under_outside_transform():
+    """The error for a DTensor argument of a shard_mapped function under torch.func.grad from outside."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    f = shmap.shard_map(_body_loss, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+    w = torch.randn(3, dtype=torch.float64)
+    x = shmap.device_put(torch.randn(8, 3, dtype=torch.float64), mesh, P("i"))
+    try:
+        torch.func.grad(lambda w, x: f(w, x))(w, x)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def vmap_collective_count():
