@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from . import context, nesting, special  # noqa: F401  (special: fills tensor._SPECIAL before any body runs)
+from . import context, foreach, nesting, special  # noqa: F401  (special, foreach: fill tensor._SPECIAL before any body runs)
 from .backends import for_mesh
 from .compile import register as register_for_compile
 from .errors import SpecError, VmaError, fmt_vma

@@ -24,19 +24,27 @@ def adam_init(params) -> dict:
 
 
 def adam_update(cfg: Config, param, grad, mu, nu, count: int, lr: float):
-    """One standard Adam step (Kingma & Ba) for one tensor -> (param, mu, nu), in `torch.optim.Adam`'s form.
+    """One standard Adam step (Kingma & Ba) -> (param, mu, nu), in `torch.optim.Adam`'s form.
 
     mu <- beta1 mu + (1 - beta1) g and nu <- beta2 nu + (1 - beta2) g^2 (the
     cookbook's version weights them the wrong way round), then
     param <- param - lr / (1 - beta1^t) * mu / (sqrt(nu) / sqrt(1 - beta2^t) + eps),
     written as torch.optim.Adam writes it (`lerp`, `addcmul`, `addcdiv`):
-    seven ops per tensor, and the same roundings, so the two agree to the last bit.
+    the same roundings, so the two agree to the last bit.  The arguments are
+    tensors, or lists of tensors (every parameter at once): then each op is
+    one `torch._foreach_*` call over the lists, as torch.optim's foreach
+    Adam does; in a body it is typed once per list position (shmap/foreach.py)
+    rather than once per tensor and op.
     """
-    mu = torch.lerp(mu, grad, 1 - cfg.beta1)
-    nu = torch.addcmul(nu * cfg.beta2, grad, grad, value=1 - cfg.beta2)
+    if isinstance(param, torch.Tensor):
+        p, m, v = adam_update(cfg, [param], [grad], [mu], [nu], count, lr)
+        return p[0], m[0], v[0]
+    mu = torch._foreach_lerp(mu, grad, 1 - cfg.beta1)
+    nu = torch._foreach_addcmul(torch._foreach_mul(nu, cfg.beta2), grad, grad, value=1 - cfg.beta2)
     step_size = lr / (1 - cfg.beta1 ** count)
-    denom = torch.sqrt(nu) / math.sqrt(1 - cfg.beta2 ** count) + cfg.eps
-    return torch.addcdiv(param, mu, denom, value=-step_size), mu, nu
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), math.sqrt(1 - cfg.beta2 ** count)),
+                               cfg.eps)
+    return torch._foreach_addcdiv(param, mu, denom, value=-step_size), mu, nu
 
 
 def learning_rate(cfg: Config, step: int) -> float:
@@ -56,34 +64,29 @@ def global_norm(grads, specs):
     group, not per tensor), and a replicated group not at all: its sum is
     already the whole.  The result is invariant, which `out_specs=P()` checks.
     """
+    leaves = optree.tree_leaves(grads)
+    wide = any(g.dtype in (torch.bfloat16, torch.float16) for g in leaves)
+    norms = torch._foreach_norm(leaves, 2, dtype=torch.float32) if wide else torch._foreach_norm(leaves, 2)
     groups = {}
-    for g, spec in zip(optree.tree_leaves(grads), optree.tree_leaves(specs, is_leaf=_is_spec)):
-        sq = g.float().pow(2).sum() if g.dtype in (torch.bfloat16, torch.float16) else g.pow(2).sum()
-        axes = spec_axes(spec)
-        groups[axes] = groups.get(axes, 0) + sq
-    total = sum(shmap.psum(sq, axes) if axes else sq for axes, sq in groups.items())
+    for n, spec in zip(norms, optree.tree_leaves(specs, is_leaf=_is_spec)):
+        groups.setdefault(spec_axes(spec), []).append(n)
+    sums = {axes: torch.stack(ns).pow(2).sum() for axes, ns in groups.items()}
+    total = sum(shmap.psum(sq, axes) if axes else sq for axes, sq in sums.items())
     return torch.sqrt(total)
 
 
 def update(cfg: Config, specs, params, grads, opt, count: int, lr: float):
     """Clip by the global norm, then Adam on every block this device holds -> (params, opt, grad_norm)."""
     norm = global_norm(grads, specs)
+    treedef = optree.tree_structure(params)
+    grad_list = treedef.flatten_up_to(grads)
     if cfg.clip > 0:
         scale = torch.clamp(cfg.clip / (norm + 1e-6), max=1.0)
-        scales = {scale.dtype: scale}  # the factor in each gradient dtype, cast once
-
-        def clip(g):
-            if g.dtype not in scales:
-                scales[g.dtype] = scale.to(g.dtype)
-            return g * scales[g.dtype]
-
-        grads = optree.tree_map(clip, grads)
-    leaves = zip(*(optree.tree_leaves(t) for t in (params, grads, opt["mu"], opt["nu"])))
-    new = [adam_update(cfg, p, g, m, v, count, lr) for p, g, m, v in leaves]
-    treedef = optree.tree_structure(params)
-    params = optree.tree_unflatten(treedef, [n[0] for n in new])
-    opt = {"mu": optree.tree_unflatten(treedef, [n[1] for n in new]),
-           "nu": optree.tree_unflatten(treedef, [n[2] for n in new])}
+        grad_list = torch._foreach_mul(grad_list, scale)
+    new_p, mu, nu = adam_update(cfg, treedef.flatten_up_to(params), grad_list,
+                                treedef.flatten_up_to(opt["mu"]), treedef.flatten_up_to(opt["nu"]), count, lr)
+    params = optree.tree_unflatten(treedef, new_p)
+    opt = {"mu": optree.tree_unflatten(treedef, mu), "nu": optree.tree_unflatten(treedef, nu)}
     return params, opt, norm
 
 

@@ -106,7 +106,21 @@ def _vmap_grad_psum(x):
     return torch.vmap(torch.func.grad(lambda r: shmap.psum(torch.sin(r).sum(), "i")))(x)
 
 
+def _foreach_adam(a, c):
+    """Adam's foreach form on positions of two types, then a per-position norm (a reduction: one
+    physical call on the distributed mesh, per position on the simulated one)."""
+    xs = [a, c]
+    m = torch._foreach_lerp(xs, torch._foreach_mul(xs, 2.0), 0.25)
+    v = torch._foreach_addcmul(torch._foreach_mul(xs, xs), xs, xs, value=0.1)
+    d = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), 3.0), 1e-3)
+    p, q = torch._foreach_addcdiv(xs, m, d, value=-0.5)
+    n_p, n_q = torch._foreach_norm([p, q])
+    return p * shmap.psum(n_p ** 2, "i"), q * n_q
+
+
 CASES = [
+    dist_cases.Case("torch._foreach_* ops (Adam's form, a norm)", (4,), ("i",), _foreach_adam,
+                    (P("i"), P()), (P("i"), P()), ((8, 3), (5,))),
     dist_cases.Case("autograd.Function with psum in backward", (4,), ("i",), _fn_body,
                     (P(), P("i")), P(), ((3,), (8, 3))),
     dist_cases.Case("checkpoint non-reentrant", (4,), ("i",), _ckpt(False), P("i"), P("i"), ((8, 3),)),

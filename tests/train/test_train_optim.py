@@ -31,6 +31,25 @@ def test_adam_equals_torch_optim_adam():
     assert torch.equal(nu, state["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adam_over_lists_equals_torch_optim_adam(foreach):
+    """The form `optim.update` uses: every parameter at once, one `torch._foreach_*` call per op."""
+    cfg = tiny("none", lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6)
+    torch.manual_seed(0)
+    p0 = [torch.randn(5, 3, dtype=torch.float64), torch.randn(7, dtype=torch.float64)]
+    ref = [p.clone().requires_grad_() for p in p0]
+    opt = torch.optim.Adam(ref, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
+    p, mu, nu = [x.clone() for x in p0], [torch.zeros_like(x) for x in p0], [torch.zeros_like(x) for x in p0]
+    for count in range(1, 6):
+        gs = [torch.randn_like(x) for x in p0]
+        for r, g in zip(ref, gs):
+            r.grad = g.clone()
+        opt.step()
+        p, mu, nu = optim.adam_update(cfg, p, gs, mu, nu, count, cfg.lr)
+        for a, r in zip(p, ref):
+            assert torch.equal(a, r.detach()), (a - r).abs().max()
+
+
 def test_learning_rate_warms_up_then_decays_by_cosine():
     cfg = tiny("none", steps=110, warmup=10, lr=1.0)
     lrs = [optim.learning_rate(cfg, s) for s in range(cfg.steps)]

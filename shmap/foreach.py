@@ -1,0 +1,126 @@
+"""`torch._foreach_*` on body values: one call over many tensors, typed index by index.
+
+An optimizer step runs the same few elementwise ops on every parameter;
+`torch.optim` (and the training recipe's Adam) batch them with
+`torch._foreach_*` so that one call covers every tensor.  In a body each op
+on a body value pays for typing (`ShTensor.__torch_function__`), so a step
+over many small tensors is dominated by it: here one foreach call is typed
+once per list position with plain set comparisons, and runs once on the
+physical tensors.
+
+The fast path takes the common case of an elementwise op (any op on the
+distributed mesh, where a value is its block): at every position the body values
+(a parameter, its gradient, its moments) are of one body, one type (vma), one
+layout, and nothing else is a tensor but a 0-d invariant factor outside
+autograd (a clipping scale).  The same rule as the elementwise fast
+path in tensor.py: nothing to lift, so the physical op is the op.  Any other
+call (mixed types at a position, a closed-over tensor, an in-place foreach,
+which must pass the in-place checks) runs as its per-tensor op at each
+position, through ordinary dispatch: slower, never different.  functorch has
+no batching rule for foreach ops, so on the simulated mesh this is also what
+makes them work at all.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import batching
+from .errors import VmaError
+from .tensor import _SPECIAL, ShTensor
+
+_NUMBER = (int, float, complex, bool)
+
+
+def _positions(args, kwargs):
+    """The number of list positions (the length of the first list argument)."""
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            return len(a)
+    return 0
+
+
+def _typed_positions(args, kwargs, n):
+    """[(paxes, vma, body)] per position when the fast path applies, else None."""
+    types = [None] * n
+    scalar = None
+    for a in list(args) + list(kwargs.values()):
+        if not isinstance(a, (list, tuple, torch.Tensor)):  # a number, None, a dtype
+            continue
+        if type(a) is ShTensor and scalar is None and _plain_scalar(a):
+            scalar = a
+            continue
+        if not isinstance(a, (list, tuple)) or len(a) != n:
+            return None
+        for i, x in enumerate(a):
+            if isinstance(x, _NUMBER):
+                continue
+            if type(x) is not ShTensor or x._unreduced or not x._body.active:
+                return None
+            t = types[i]
+            if t is None:
+                types[i] = (x._paxes, x._vma, x._body, x._phys.dim())
+            elif t[2] is not x._body or t[1] != x._vma or t[0] != x._paxes or t[3] != x._phys.dim():
+                return None
+    if any(t is None for t in types) or (scalar is not None and any(t[2] is not scalar._body for t in types)):
+        return None
+    return types
+
+
+def _plain_scalar(x) -> bool:
+    """A 0-d invariant body value no gradient flows to (a clipping factor): it multiplies a value
+    of any type as it is, since lifting it (pvary) would only matter to its own gradient."""
+    return (x.dim() == 0 and not x._vma and x._body.active
+            and not (torch.is_grad_enabled() and x._phys.requires_grad))
+
+
+def _phys(a):
+    if isinstance(a, (list, tuple)):
+        return [x._phys if type(x) is ShTensor else x for x in a]
+    return a._phys if type(a) is ShTensor else a
+
+
+def _per_tensor_op(name):
+    """The op a foreach op applies at each position, e.g. `_foreach_lerp` -> `torch.lerp`."""
+    base = name[len("_foreach_"):]
+    if base.endswith("_"):
+        op = getattr(torch.Tensor, base, None)
+    elif base == "norm":
+        return lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype)
+    elif base == "max":
+        return torch.amax
+    else:
+        op = getattr(torch, base, None)
+    if op is None:
+        raise VmaError(
+            f"torch.{name} on body values: shmap knows no per-tensor op for it. Fix: call the per-tensor "
+            f"op in a loop over the list."
+        )
+    return op
+
+
+def _at(a, i, n):
+    return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
+
+
+def _direct(name, types) -> bool:
+    """Whether the foreach op runs on the physical tensors as they are: an elementwise op, or any op
+    where a physical tensor is the block itself (no device dims: a reduction stays within it)."""
+    return name[len("_foreach_"):] in batching.POINTWISE or not types[0][2].backend.device_dims
+
+
+def _foreach(func, args, kwargs):
+    n = _positions(args, kwargs)
+    name = func.__name__
+    if not name.endswith("_"):
+        types = _typed_positions(args, kwargs, n)
+        if types and _direct(name, types):
+            out = func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
+            return [ShTensor(o, t[0], t[1], t[2]) for o, t in zip(out, types)]
+    op = _per_tensor_op(name)
+    outs = [op(*[_at(a, i, n) for a in args], **{k: _at(v, i, n) for k, v in kwargs.items()}) for i in range(n)]
+    return None if name.endswith("_") else outs
+
+
+for _name in dir(torch):
+    if _name.startswith("_foreach_"):
+        _SPECIAL[getattr(torch, _name)] = _foreach

@@ -1,0 +1,132 @@
+"""`torch._foreach_*` on body values (shmap/foreach.py): each list position typed as its per-tensor op
+would be, values and gradients equal to plain PyTorch, the fast path taken where it may be and
+refused where a lift or a device-dim reduction makes the physical call wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shmap
+import shmap.foreach as foreach
+from shmap import P
+
+MESH = shmap.make_mesh((2, 2), ("i", "j"))
+
+
+def sm(body, in_specs, out_specs):
+    return shmap.shard_map(body, mesh=MESH, in_specs=in_specs, out_specs=out_specs)
+
+
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """How many foreach calls took the physical fast path."""
+    calls = []
+    real = foreach._typed_positions
+
+    def counting(args, kwargs, n):
+        t = real(args, kwargs, n)
+        calls.append(bool(t))
+        return t
+
+    monkeypatch.setattr(foreach, "_typed_positions", counting)
+    return calls
+
+
+def _adam_like(a, b, c):
+    """Positions of different types (a varies along i, b along i and j, c is invariant)."""
+    xs = [a, b, c]
+    m = torch._foreach_lerp(xs, torch._foreach_mul(xs, 2.0), 0.25)
+    v = torch._foreach_addcmul(torch._foreach_mul(xs, xs), xs, xs, value=0.1)
+    d = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), 3.0), 1e-3)
+    return tuple(torch._foreach_addcdiv(xs, m, d, value=-0.5))
+
+
+def test_elementwise_foreach_matches_plain_pytorch_values_and_gradients(fast_calls):
+    args = [torch.randn(4, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    f = sm(_adam_like, (P("i"), P("i", "j"), P()), (P("i"), P("i", "j"), P()))
+    got = f(*args)
+    want = _adam_like(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    cots = [torch.randn_like(w) for w in want]
+    g1 = torch.autograd.grad(got, args, cots)
+    g2 = torch.autograd.grad(want, args, cots)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    assert fast_calls and all(fast_calls)  # one typing per position, one physical call per op
+    with torch.no_grad():
+        out = f(*args)
+    assert all(type(o) is torch.Tensor for o in out)
+
+
+def test_each_position_keeps_its_own_type():
+    seen = []
+
+    def body(a, c):
+        x, y = torch._foreach_mul([a, c], 3.0)
+        seen.append((shmap.vma(x), shmap.vma(y)))
+        return x, y
+
+    a, c = torch.randn(4), torch.randn(3)
+    x, y = sm(body, (P("i"), P()), (P("i"), P()))(a, c)
+    torch.testing.assert_close(x, 3 * a)
+    torch.testing.assert_close(y, 3 * c)
+    assert seen == [(frozenset({"i"}), frozenset())]
+
+
+def test_an_invariant_factor_multiplies_varying_values_and_its_gradient_is_summed(fast_calls):
+    """Clipping's form: a 0-d invariant factor times varying gradients.  Outside autograd the fast
+    path takes it as it is; when the factor needs a gradient, the per-tensor ops lift it (pvary), so
+    its cotangent is psum'd over the devices, as plain PyTorch's is over the whole tensor."""
+    a, b = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    s = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    f = sm(lambda a, b, s: tuple(torch._foreach_mul([a, b], s)), (P("i"), P("j"), P()), (P("i"), P("j")))
+    x, y = f(a, b, s)
+    torch.testing.assert_close(x, a * 0.7)
+    torch.testing.assert_close(y, b * 0.7)
+    assert fast_calls == [False]  # the factor needs a gradient: no fast path
+    (gs,) = torch.autograd.grad((x * a).sum() + (y * b).sum(), s)
+    torch.testing.assert_close(gs, (a * a).sum() + (b * b).sum())
+    fast_calls.clear()
+    with torch.no_grad():
+        x, _ = f(a, b, s)
+    torch.testing.assert_close(x, a * 0.7)
+    assert fast_calls == [True]
+
+
+def test_reductions_run_per_position_on_the_simulated_mesh(fast_calls):
+    """`_foreach_norm` reduces over a tensor; the simulated mesh's physical tensor also holds the
+    device dims, so it must not run as one physical call there."""
+    a, b = torch.randn(4, 2), torch.randn(6)
+    def body(a, b):
+        na, nb = torch._foreach_norm([a, b])
+        return na.reshape(1), nb
+    f = sm(body, (P("i"), P()), (P("i"), P()))
+    na, nb = f(a, b)
+    torch.testing.assert_close(na, torch.stack([a[:2].norm(), a[2:].norm()]))
+    torch.testing.assert_close(nb, b.norm())
+    assert fast_calls == [True]  # typed, but `_direct` sends it per position
+
+
+def test_in_place_foreach_runs_per_tensor_with_the_in_place_checks():
+    def body(a):
+        t = a * 1.0
+        torch._foreach_add_([t], 1.0)
+        return t
+    a = torch.randn(4)
+    torch.testing.assert_close(sm(body, P("i"), P("i"))(a), a + 1)
+    with pytest.raises(shmap.InPlaceInputError, match="argument 0"):
+        sm(lambda a: torch._foreach_add_([a], 1.0) or a, P("i"), P("i"))(a)
+
+
+def test_a_closed_over_tensor_in_a_list_is_typed_as_invariant():
+    c = torch.randn(2)
+    f = sm(lambda a: tuple(torch._foreach_add([a, c], [c, c])), P("i"), (P("i"), P()))
+    x, y = f(torch.zeros(4))
+    torch.testing.assert_close(x, c.repeat(2))
+    torch.testing.assert_close(y, 2 * c)
+
+
+def test_foreach_on_plain_tensors_is_untouched():
+    xs = [torch.randn(3), torch.randn(2)]
+    torch.testing.assert_close(torch._foreach_mul(xs, 2.0), [x * 2 for x in xs])
