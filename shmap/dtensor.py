@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .backends.functions import _Function
 from .mesh import Mesh, PartitionSpec
 
 
@@ -154,7 +155,7 @@ def local_block(x, mesh: Mesh, spec: PartitionSpec):
     return _ToBlock.apply(x, mesh, spec)
 
 
-class _ToBlock(torch.autograd.Function):
+class _ToBlock(_Function):
     """DTensor -> its local block (a view); backward: the cotangent as a DTensor with `x`'s layout."""
 
     @staticmethod

@@ -31,6 +31,7 @@ import torch._functorch.apis as _fapis
 import torch._functorch.eager_transforms as _ftrans
 
 from . import context
+from .backends.functions import _Function
 from .errors import VmaError, fmt_vma
 from .tensor import ShTensor, expand_to
 
@@ -192,7 +193,7 @@ class _Staging:
                 getattr(ctx, op[0])(*op[1])
 
 
-class _Bridge(torch.autograd.Function):
+class _Bridge(_Function):
     """The physical Function that runs a user's Function on body values."""
 
     generate_vmap_rule = True  # vmap over it: the user's forward and backward batched as they are

@@ -17,6 +17,7 @@ import torch
 from .. import batching
 from ..recording import event, log_comm
 from ..tensor import expand_to
+from .functions import _Function
 from .protocol import Backend
 
 
@@ -354,7 +355,7 @@ def _scatter_front(t, axes, other, body):
     return t.permute(perm), target
 
 
-class TakeFirst(torch.autograd.Function):
+class TakeFirst(_Function):
     """Device 0's copy along one leading dim; cotangent spread as ct / size (JAX's defensive transpose).
 
     In `setup_context` form with a jvp rule and a generated vmap rule, so a
