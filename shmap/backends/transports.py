@@ -401,7 +401,9 @@ def _ppermute(x, g: Group, perm):
         ops += [dist.P2POp(dist.irecv, so, g.ranks[s], pg) for s in recv if s != me]
         return dist.batch_isend_irecv(ops) if ops else []
 
-    _run(g, "ppermute", x.shape, x.dtype, launch, f"perm={list(perm)}", seal=seal)
+    # A gloo send or receive whose wait times out is abandoned (its later waits never return), and a
+    # slice of the watched wait can time out on a loaded machine: a helper thread waits (blocking).
+    _run(g, "ppermute", x.shape, x.dtype, launch, f"perm={list(perm)}", seal=seal, blocking=g.gloo)
     if seal is not None and seal.recv is not None:
         out = _unseal_bytes(so, nb, x.dtype, x.shape)
     return out

@@ -223,3 +223,30 @@ def hang_in_psum_scatter(slow_rank, timeout):
         return shmap.psum_scatter(x, "i", tiled=True)
     shmap.shard_map(body, mesh=_mesh(), in_specs=P(), out_specs=P("i"))(_x().repeat(4))
     return "finished"
+
+
+def slow_receiver():
+    """A ppermute whose receiver arrives late, with the watched wait's slices made tiny: a gloo send
+    whose wait slice times out is abandoned by gloo, so the wait must not time out on it (a helper
+    thread waits).  Returns each round's result's first element and whether every round finished."""
+    from datetime import timedelta
+
+    from shmap.backends import config
+
+    shmap.configure_distributed(timeout=20)
+    saved = config._POLL[0], config._OPTIONS["poll"]
+    config._POLL[0], config._OPTIONS["poll"] = timedelta(milliseconds=1), 0.001
+    try:
+        mesh = _mesh()
+        n = mesh.shape["i"]
+        ring = [(s, (s + 1) % n) for s in range(n)]
+        f = shmap.shard_map(lambda x: shmap.ppermute(x, "i", ring), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+        firsts = []
+        for k in range(3):
+            if _rank() == k % n:
+                time.sleep(0.3)  # this rank's receive is posted late: the others' sends wait for it
+            x = torch.arange(n * 200_000, dtype=torch.float64) + k
+            firsts.append(float(f(x).full_tensor()[0]))
+        return firsts
+    finally:
+        config._POLL[0], config._OPTIONS["poll"] = saved

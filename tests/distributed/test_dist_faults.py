@@ -131,3 +131,12 @@ def test_a_rank_that_calls_another_collective_or_shape_is_named(fn, how):
         assert how in m, m
     for r, msg in _others(err, 2, aborted=fn is dist_faults.other_shape_bigger):
         assert "rank 2" in msg, msg
+
+
+def test_a_late_receiver_does_not_hang_a_ppermute():
+    """gloo abandons a send whose wait times out; the watched wait's slices must not do that (they
+    did: a loaded machine hung a ppermute until the timeout)."""
+    results = shmap.spawn(dist_faults.slow_receiver, nprocs=2, timeout=60)
+    per = 200_000
+    for firsts in results:  # block 0 comes from the last rank: its first element is (n - 1) * per + k
+        assert firsts == [float(per + k) for k in range(3)], firsts
