@@ -40,7 +40,7 @@ def _positions(args, kwargs):
 
 
 def _typed_positions(args, kwargs, n):
-    """[(paxes, vma, body)] per position when the fast path applies, else None."""
+    """[(paxes, vma, body, physical rank)] per position when the fast path applies, else None."""
     types = [None] * n
     scalar = None
     for a in list(args) + list(kwargs.values()):
