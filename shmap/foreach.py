@@ -26,9 +26,7 @@ import torch
 
 from . import batching
 from .errors import VmaError
-from .tensor import _SPECIAL, ShTensor
-
-_NUMBER = (int, float, complex, bool)
+from .tensor import _NUMBER, _SPECIAL, ShTensor
 
 
 def _positions(args, kwargs):

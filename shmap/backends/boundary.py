@@ -25,7 +25,7 @@ def _take_block(x, starts):
 # The boundary's Functions are in `setup_context` form with `vmap` and `jvp` rules
 # (`functions._Function`), as torch.func requires: a nested shard_map inside a transformed function
 # cuts and assembles blocks with them, and so does a top-level shard_map under a transform from
-# outside (`split_transformed`).  A vmap rule puts the batch dim first and, where the Function
+# outside (`Distributed.split`, `check_not_dtensor`).  A vmap rule puts the batch dim first and, where the Function
 # cuts or assembles blocks, describes the batch by a spec with a leading unsplit dim.
 def _batch_first(x, bdim):
     return x if bdim == 0 else x.movedim(bdim, 0)
@@ -42,7 +42,7 @@ class Arrive(_Function):
     Created when the body starts, so autograd runs it after every node of the
     body: the reductions launched on the way (`deferred`) overlap the rest of
     the backward pass, and what leaves the body is an ordinary tensor.  (No vmap or jvp rule: under
-    a torch.func transform `split_transformed` takes the block instead.)
+    a torch.func transform from outside `Distributed.split` leaves it out.)
     """
 
     @staticmethod
@@ -70,14 +70,14 @@ def _unwrapped(x):
     return x
 
 
-def split_transformed(backend, x, spec, body):
-    """This rank's block of a plain global value, under a torch.func transform from outside.
+def check_not_dtensor(x, spec):
+    """Under a torch.func transform from outside, `Distributed.split` takes plain tensors only.
 
-    Only the boundary's own Functions, which carry vmap and jvp rules, touch
-    the value (no `Arrive`: a transform's backward builds a graph, so nothing
-    is deferred), and `assemble` returns the outputs as plain global tensors,
-    which functorch can carry (a DTensor it cannot).  So `torch.func.grad(f)`
-    of a shard_mapped `f` gives on every rank what the simulated mesh gives.
+    Its blocks are cut by the boundary's own Functions, which carry vmap and
+    jvp rules, and `assemble` returns plain global tensors, which functorch can
+    carry; a DTensor it cannot (DTensor's autograd Functions have no functorch
+    rules).  So `torch.func.grad(f)` of a shard_mapped `f` gives on every rank
+    what the simulated mesh gives.
     """
     from .. import dtensor as dt
 
@@ -88,12 +88,6 @@ def split_transformed(backend, x, spec, body):
             "Fix: pass the global value as a plain tensor (`x.full_tensor()`, outside the transform), "
             "or apply the transform inside the body."
         )
-    starts = backend._block_starts(spec, x.shape)
-    if starts:
-        x = TakeBlock.apply(x, backend, spec, body)
-    if spec.unreduced:
-        x = PendingTerm.apply(x, all(backend.coords[a] == 0 for a in spec.unreduced))
-    return x
 
 
 class ScaleGrad(_Function):

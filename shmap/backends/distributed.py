@@ -46,7 +46,7 @@ from .boundary import (  # noqa: F401  (re-exported)
     ScaleGrad,
     TakeBlock,
     _transformed,
-    split_transformed,
+    check_not_dtensor,
     _assemble_blocks,
     _take_block,
     check_dtensor_layout,
@@ -188,8 +188,9 @@ class Distributed(Backend):
         from .. import dtensor as dt
 
         axes = body.order(spec.axes())
-        if _transformed():  # a torch.func transform from outside: plain tensors in and out
-            return split_transformed(self, x, spec, body), axes
+        transformed = _transformed()  # a torch.func transform from outside: plain tensors in and out
+        if transformed:
+            check_not_dtensor(x, spec)
         if dt.is_dtensor(x):
             x = dt.local_block(x, self.mesh, spec)
             return (Arrive.apply(x) if _grad(x) else x), axes
@@ -200,7 +201,7 @@ class Distributed(Backend):
             # A pending sum of a global value: the first device along the axes holds it, the others zeros.
             first = all(self.coords[a] == 0 for a in spec.unreduced)
             x = PendingTerm.apply(x, first) if _grad(x) else (x if first else torch.zeros_like(x))
-        if _grad(x):
+        if _grad(x) and not transformed:  # (a transform's backward builds a graph: nothing is deferred)
             x = Arrive.apply(x)  # the body's gradient reductions are read here, last (see `deferred`)
         return x, axes
 
