@@ -33,7 +33,8 @@ _OPTIONS = {
     "check_collectives": _env_check(),
     "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
     "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
-    "bucket_bytes": int(os.environ.get("SHMAP_BUCKET_BYTES") or 1 << 20),
+    "bucket_bytes": int(os.environ.get("SHMAP_BUCKET_BYTES") or 25 << 20),
+    "first_bucket_bytes": int(os.environ.get("SHMAP_FIRST_BUCKET_BYTES") or 1 << 20),
     "poll": 0.25,
     "exit_grace": 2.0,
 }
@@ -52,7 +53,8 @@ def register_transport(name: str, factory):
 
 
 def configure_distributed(*, check_collectives: bool | None = None, timeout: float | None = None,
-                          transport: str | None = None, bucket_bytes: int | None = None) -> dict:
+                          transport: str | None = None, bucket_bytes: int | None = None,
+                          first_bucket_bytes: int | None = None) -> dict:
     """Set how distributed collectives are guarded; returns the previous settings.
 
     - `check_collectives`: how ranks running different programs are caught
@@ -76,17 +78,27 @@ def configure_distributed(*, check_collectives: bool | None = None, timeout: flo
       `'shm'`: CPU tensors move through `shmap.kernels.ShmTransport`, shared
       memory between the processes of one host (env `SHMAP_TRANSPORT`).
       pmax/pmin keep using torch.distributed.
-    - `bucket_bytes`: a backward pass's gradient psums (the transposes of
-      pvary) are summed together in buckets of about this many bytes, launched
-      while the pass goes on (default 1 MiB; env `SHMAP_BUCKET_BYTES`; 1: one
-      all_reduce per psum).  See `backends/deferred.py`.
+    - `bucket_bytes`: a backward pass's gradient reductions (the psums of
+      pvary, the psum_scatters of all_gather) are launched together in
+      buckets of about this many bytes while the pass goes on, and forward
+      all_gathers issued back to back share buckets of this size (default
+      25 MiB, DDP's `bucket_cap_mb`; env `SHMAP_BUCKET_BYTES`; 1: one
+      collective each).  See `backends/deferred.py`.
+    - `first_bucket_bytes`: the first reduction bucket of each backward pass
+      (per group, kind and dtype) holds at most this many bytes, so the wire
+      starts early (default 1 MiB, DDP's first bucket; env
+      `SHMAP_FIRST_BUCKET_BYTES`; never more than `bucket_bytes`).
     Must be set identically on every rank.
     """
-    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport", "bucket_bytes")}
-    if bucket_bytes is not None:
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"configure_distributed: bucket_bytes must be a positive int, got {bucket_bytes!r}.")
-        _OPTIONS["bucket_bytes"] = bucket_bytes
+    prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport", "bucket_bytes",
+                                     "first_bucket_bytes")}
+    for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"configure_distributed: {name} must be a positive int, got {value!r}. "
+                             f"Fix: a number of bytes, e.g. {name}={1 << 20}.")
+        _OPTIONS[name] = value
     if transport is not None:
         if transport != "torch" and transport not in _TRANSPORTS:
             known = ", ".join(repr(t) for t in ["torch", *_TRANSPORTS])

@@ -11,10 +11,14 @@ collective (a watched wait: the timeout, failed ranks and signatures are
 checked as for any other) and then reads the result.
 
 Both are also *bucketed*: cotangents of one group, kind and dtype gather in
-a `Bucket` until it holds at least `bucket_bytes` (1 MiB, as DDP's first
-bucket), and one collective reduces them all; 29 small all_reduces cost a step about four
-times the time of one big one on gloo.  A bucket launches when it is full,
-when any of its values is read, or when the backward pass ends.  Every rank
+a `Bucket` until it holds at least `bucket_bytes`, and one collective reduces
+them all; 29 small all_reduces cost a step about four times the time of one
+big one on gloo.  As DDP's, a pass's first bucket is small
+(`first_bucket_bytes`, 1 MiB), so the wire starts while the last layers'
+backward still runs, and the later ones large (25 MiB): each collective has a
+fixed cost, and on a CPU the overlap of many small ones buys little.  A bucket
+launches when it is full, when any of its values is read, or when the
+backward pass ends.  Every rank
 runs the same program, so every rank fills and launches the same buckets in
 the same order; `comm_log` still reports one psum per transpose (the
 program's collectives), the guard counts the buckets (the wire's).
@@ -109,9 +113,10 @@ def all_gather(x, g, axis, tiled):
 
     A program that gathers its weights ahead of use (the training recipe
     gathers every FSDP weight at the top of its forward, as FSDP2 does for a
-    unit) then moves them in a few collectives instead of one each: the bucket
-    launches when it holds `bucket_bytes`, or when one of its values is first
-    read.  Under a functorch transform the value is gathered at once.
+    unit) then moves them in a few collectives instead of one each (one, for a
+    model under `bucket_bytes`): the bucket launches when it holds
+    `bucket_bytes`, or when one of its values is first read.  Under a
+    functorch transform the value is gathered at once.
     """
     if not (_bucketable(x, g) and x.dtype in _MOVABLE
             and torch._C._functorch.peek_interpreter_stack() is None):
@@ -135,6 +140,8 @@ def _bucket(g, kind, ct):
 
 #: (group, kind, dtype, device) -> the bucket filling for it
 _OPEN: dict = {}
+#: [backward pass (graph task id), the keys whose first reduction bucket it has opened]
+_STARTED: list = [None, set()]
 
 
 class Bucket:
@@ -150,10 +157,18 @@ class Bucket:
         self.g, self.kind, self.key = g, kind, key
         self.parts, self.nbytes, self.starts, self.gathered = [], 0, [0], []
         self.flight = self.result = self.value = None
+        self.cap = _OPTIONS["bucket_bytes"]
         try:  # launch at the end of this backward pass at the latest (nobody may read some values)
             torch.autograd.Variable._execution_engine.queue_callback(self.launch)
         except RuntimeError:  # not inside a backward pass: the first read launches
-            pass
+            return
+        if kind != "all_gather":
+            task = torch._C._current_graph_task_id()
+            if _STARTED[0] != task:
+                _STARTED[:] = [task, set()]
+            if key not in _STARTED[1]:  # this pass's first bucket of its group, kind and dtype: a small one
+                _STARTED[1].add(key)
+                self.cap = min(self.cap, _OPTIONS["first_bucket_bytes"])
 
     def add(self, part, shape, dtype, gathered=None) -> Deferred:
         i = len(self.parts)
@@ -163,7 +178,7 @@ class Bucket:
         if gathered is not None:
             self.gathered.append(gathered)
         d = Deferred(lambda: self.read(i, shape), shape, dtype, part.device)
-        if self.nbytes >= _OPTIONS["bucket_bytes"]:
+        if self.nbytes >= self.cap:
             self.launch()
         return d
 

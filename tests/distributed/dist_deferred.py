@@ -2,6 +2,7 @@
 
 `run_cases` checks, on every rank, that a data-parallel backward pass
 - gives the simulated mesh's gradients, bucketed or not (`bucket_bytes`);
+- opens each backward pass with a small first bucket (`first_bucket_bytes`), as DDP;
 - sums several weights' gradients in one all_reduce (DP) or reduce-scatter
   (FSDP), while comm_log still reports one psum / psum_scatter per weight;
 - launches its reductions before the backward pass ends (overlap);
@@ -92,10 +93,11 @@ def _data():
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
 
-def _grads(mesh, ws, x, bucket_bytes, how="grad"):
+def _grads(mesh, ws, x, bucket_bytes, how="grad", first=None):
     """(gradients of the weights, gloo all_reduces launched, comm_log kinds, Marker.seen)."""
     f = shmap.shard_map(_body, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
-    prev = shmap.configure_distributed(bucket_bytes=bucket_bytes) if mesh.is_distributed else None
+    prev = (shmap.configure_distributed(bucket_bytes=bucket_bytes, first_bucket_bytes=first)
+            if mesh.is_distributed else None)
     _COUNT[0] = _FINISHED[0] = 0
     Marker.seen.clear()
     try:
@@ -148,6 +150,15 @@ def run_cases():
             # launched but not waited for
             fails.append(f"bucket_bytes={bucket}: no reduction was in flight when the backward pass reached "
                          f"the first layer ((launched, finished) by then: {seen})")
+    # DDP's buckets: a pass's first bucket small (two weights here), the rest in one large bucket
+    for _ in range(2):  # (and again in the next backward pass)
+        grads, count, _, _ = _grads(mesh, ws, x, 1 << 20, first=16 * 16 * 8 * 2)
+        if count != 1 + 2:
+            fails.append(f"first_bucket_bytes=4096, bucket_bytes=1 MiB: {count} gloo all_reduces, expected 3 (the "
+                         "loss's psum, the first bucket of two weights, one bucket of the rest)")
+        if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref)):
+            fails.append("first_bucket_bytes=4096: gradients differ from the simulated mesh's")
+
     if world == 2:  # a + b either way: bucketing changes nothing, bit for bit
         for b in got:
             if not all(torch.equal(p, q) for p, q in zip(got[b], got[1])):

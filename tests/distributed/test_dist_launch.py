@@ -122,6 +122,13 @@ def test_configure_distributed_validates_and_returns_the_previous_settings():
         assert shmap.configure_distributed(check_collectives=False)["check_collectives"] == "strict"
         with pytest.raises(ValueError, match="check_collectives"):
             shmap.configure_distributed(check_collectives="sometimes")
+        # DDP's defaults: 25 MiB buckets, a backward pass's first one 1 MiB
+        got = shmap.configure_distributed(bucket_bytes=4096, first_bucket_bytes=1024)
+        assert (got["bucket_bytes"], got["first_bucket_bytes"]) == (25 << 20, 1 << 20)
+        assert shmap.configure_distributed()["first_bucket_bytes"] == 1024
+        for bad in (0, -1, 1.5, True, "1MiB"):
+            with pytest.raises(ValueError, match=r"first_bucket_bytes must be a positive int.*Fix"):
+                shmap.configure_distributed(first_bucket_bytes=bad)
     finally:
         from shmap.backends import watchdog
         watchdog._OPTIONS.update(prev)
