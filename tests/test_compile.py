@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint as cp
 
 import shmap
+from custom_functions import Cube
 from shmap import P
 
 MESH = shmap.make_mesh((4, 2), ("i", "j"))
@@ -62,18 +63,6 @@ def test_compiled_collectives_equal_eager():
     kinds = {e.kind for e in events}
     assert {"all_gather_invariant", "psum_scatter", "all_gather", "ppermute", "all_to_all", "psum",
             "pmax"} <= kinds
-
-
-class Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x ** 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x ** 2 * g
 
 
 def test_compiled_custom_function_and_checkpoint_equal_eager():

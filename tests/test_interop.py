@@ -19,6 +19,7 @@ import torch.utils.checkpoint as cp
 from jax.sharding import PartitionSpec as JP
 
 import shmap
+from custom_functions import Cube, MulPsumBack
 from differential import assert_matches_jax
 from jax_helpers import jax_mesh
 from shmap import P
@@ -38,20 +39,6 @@ class Foo(torch.autograd.Function):
         return 3 * g
 
 
-class Cube(torch.autograd.Function):
-    """x**3 with a saved input and a differentiable backward (second order works)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x ** 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x ** 2 * g
-
-
 class ScaleSetup(torch.autograd.Function):
     """setup_context style, a non-tensor argument and a non-differentiable output."""
 
@@ -67,21 +54,6 @@ class ScaleSetup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _):
         return g * ctx.k, None
-
-
-class MulPsumBack(torch.autograd.Function):
-    """w (invariant) * x (varying); backward reduces w's cotangent itself (a custom_vjp)."""
-
-    @staticmethod
-    def forward(ctx, w, x):
-        ctx.save_for_backward(w, x)
-        return torch.sin(w * x)
-
-    @staticmethod
-    def backward(ctx, g):
-        w, x = ctx.saved_tensors
-        c = torch.cos(w * x) * g
-        return shmap.psum((c * x).sum(0), "i"), c * w
 
 
 class MulNoPsum(MulPsumBack):

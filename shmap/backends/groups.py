@@ -1,6 +1,7 @@
 """Process groups over axis tuples of a distributed mesh: `Group`."""
 from __future__ import annotations
 
+from .config import _OPTIONS, _TRANSPORTS
 
 _DIST = None
 
@@ -53,8 +54,6 @@ class Group:
 
         Its ranks are the process group's, so the same position permutations apply.
         """
-        from .config import _OPTIONS, _TRANSPORTS
-
         name = _OPTIONS["transport"]
         if name == "torch" or x.device.type != "cpu":
             return None

@@ -55,7 +55,7 @@ def _start(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=F
     w = g._backend.watch
     grad = torch.is_grad_enabled()
     if grad:  # raw data movement; autograd is the Functions' business
-        torch.set_grad_enabled(False)
+        torch._C._set_grad_enabled(False)  # (torch.set_grad_enabled builds a context object: this runs per call)
     try:
         # A collective whose payload carries no signature (NCCL, a dtype that cannot) exchanges one first
         # whenever checks are on; the exchange completes before any data moves (and before a new
@@ -69,7 +69,7 @@ def _start(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=F
         works = launch(g.pg())
     finally:
         if grad:
-            torch.set_grad_enabled(True)
+            torch._C._set_grad_enabled(True)
     f = InFlight()
     f.g, f.record, f.seal, f.pending, f.blocking = g, w.current, seal, pending, blocking
     f.works = works if isinstance(works, list) else [works]
