@@ -1,9 +1,9 @@
 """Configuration of the distributed guard: `configure_distributed` and the options it sets.
 
 The options start from the environment (`SHMAP_CHECK_COLLECTIVES`,
-`SHMAP_COLLECTIVE_TIMEOUT`, `SHMAP_TRANSPORT`, `SHMAP_BUCKET_BYTES`, `SHMAP_FIRST_BUCKET_BYTES`); the
-guard (`guard`, `waits`)
-and the transports read them at each collective.
+`SHMAP_COLLECTIVE_TIMEOUT`, `SHMAP_TRANSPORT`, `SHMAP_BUCKET_BYTES`,
+`SHMAP_FIRST_BUCKET_BYTES`); the guard (`guard`, `waits`) and the transports
+read them at each collective.
 """
 from __future__ import annotations
 
