@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import shmap  # noqa: E402
 from shmap.train import model, optim  # noqa: E402
 from shmap.train.config import Config, validate  # noqa: E402
-from shmap.train.loop import Run, _value  # noqa: E402
+from shmap.train.loop import Run, _value, keep_freed_memory  # noqa: E402
 
 SMALL = dict(layers=2, embed_dim=64, heads=4, mlp_dim=256, seq_len=64, batch_size=16)
 QUIET = dict(out=None, progress=False, sample_len=0, eval_batches=1)
@@ -222,6 +222,12 @@ def _variants(cfg_small: bool, world: int, which):
     return out
 
 
+def _allocator():
+    """As `shmap-train` runs (`keep_freed_memory`), unless --glibc-default: every variant alike."""
+    if os.environ.get("BENCH_KEEP_FREED", "1") == "1":
+        keep_freed_memory()
+
+
 def gloo_worker(small, warmup, repeats, threads, names):
     import warnings
 
@@ -229,6 +235,7 @@ def gloo_worker(small, warmup, repeats, threads, names):
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
+    _allocator()
     world = dist.get_world_size()
     variants = _variants(small, world, names)
     times = {n: [] for n in names}
@@ -278,6 +285,7 @@ def mem_worker(small, threads, name):
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
+    _allocator()
     import torch.distributed as dist
 
     Run(make_cfg(small, {"data": dist.get_world_size()}))  # corpus and imports: not the variant's
@@ -302,11 +310,16 @@ def main():
                     help="shmap's per-collective signature checks off on gloo (SHMAP_CHECK_COLLECTIVES=0; default on)")
     ap.add_argument("--no-memory", action="store_true", help="skip part 3's fresh-process RSS runs")
     ap.add_argument("--skip-sim", action="store_true", help="skip part 1")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="leave glibc's malloc trimming as it is (default: keep freed memory, as shmap-train does)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["BENCH_KEEP_FREED"] = "0" if args.glibc_default else "1"
+    _allocator()
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
-    env = {"OMP_NUM_THREADS": args.threads, "SHMAP_CHECK_COLLECTIVES": 0 if args.no_checks else 1}
+    env = {"OMP_NUM_THREADS": args.threads, "SHMAP_CHECK_COLLECTIVES": 0 if args.no_checks else 1,
+           "BENCH_KEEP_FREED": os.environ["BENCH_KEEP_FREED"]}
     cfg = make_cfg(args.small, None)
     flops, n_mm = model_flops(cfg)
     n_all = model.count_params(model.init_params(cfg))
@@ -318,7 +331,8 @@ def main():
           f"batch {cfg.batch_size} ({tokens} tokens/step), {cfg.dtype}, block {cfg.block}; "
           f"{n_all / 1e6:.3f}M parameters ({n_mm / 1e6:.3f}M in matmuls).")
     print(f"FLOPs/step = 6*N_matmul*tokens + 12*layers*batch*seq^2*d = {flops / 1e9:.2f} GFLOP.")
-    print(f"{args.warmup} warm-up + {args.repeats} timed steps per variant, interleaved; medians.\n")
+    print(f"{args.warmup} warm-up + {args.repeats} timed steps per variant, interleaved; medians. Every "
+          f"process {'leaves glibc malloc as it is' if args.glibc_default else 'keeps freed memory, as shmap-train does (keep_freed_memory)'}.\n")
 
     peak = None
     if not args.skip_sim:

@@ -134,3 +134,37 @@ def test_a_compiled_loss_trains_to_the_eager_losses():
     eager = _losses(loop.train(tiny("fsdp=2,tensor=2", steps=3), **QUIET))
     compiled = _losses(loop.train(tiny("fsdp=2,tensor=2", steps=3, compile=True), **QUIET))
     assert compiled == pytest.approx(eager, rel=1e-10)
+
+
+_MALLINFO = """
+import ctypes, json, sys
+import torch
+from shmap.train.loop import keep_freed_memory
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2: ten size_t fields
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+t = torch.ones(4 << 20)  # 16 MiB, as a step's activation
+during = libc.mallinfo2()
+del t
+after = libc.mallinfo2()
+print(json.dumps({"kept": kept, "mmapped": during.hblkhd, "heap_during": during.arena, "heap_after": after.arena}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_keep_freed_memory_keeps_a_steps_blocks_in_the_heap():
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _MALLINFO, mode], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    default, kept = run("default"), run("keep")
+    assert default["mmapped"] >= 16 << 20  # glibc's default: a fresh mapping, returned to the kernel at free
+    assert kept["kept"] is True
+    assert kept["mmapped"] < 16 << 20  # from the heap ...
+    assert kept["heap_after"] >= kept["heap_during"] >= 16 << 20  # ... which keeps it for the next step
