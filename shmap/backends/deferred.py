@@ -18,10 +18,10 @@ big one on gloo.  As DDP's, a pass's first bucket is small
 backward still runs, and the later ones large (25 MiB): each collective has a
 fixed cost, and on a CPU the overlap of many small ones buys little.  A bucket
 launches when it is full, when any of its values is read, or when the
-backward pass ends.  Every rank
-runs the same program, so every rank fills and launches the same buckets in
-the same order; `comm_log` still reports one psum per transpose (the
-program's collectives), the guard counts the buckets (the wire's).
+backward pass ends.  Every rank runs the same program, so every rank fills
+and launches the same buckets in the same order; `comm_log` still reports
+one psum per transpose (the program's collectives), the guard counts the
+buckets (the wire's).
 
 Nothing may read a gradient before it has arrived, and nothing does: every
 op on a `Deferred` waits first.  Where the cotangent goes straight into the
