@@ -278,34 +278,38 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
     ddp_step()
     out["ddp"] = dict(err=max(rel_err(model[0].weight.grad.T, true[0]), rel_err(model[2].weight.grad.T, true[1])))
 
-    # Step time, interleaved (forward + backward): shmap default and checks off (alternating which goes
-    # first: the first after the barrier pays for memory the other then reuses), DDP, tdnn+all_reduce.
-    times = {"shmap": [], "shmap (checks off)": [], "shmap shares": [], "ddp": [], "tdnn+ddp": []}
-    for i in range(steps):
+    # Step time (forward + backward), the variants interleaved in rotating order, each after a barrier
+    # (the first of a round pays for memory the others then reuse; rotating spreads that alike).
+    def shmap_step(checks):
+        shmap.configure_distributed(check_collectives=checks)
         a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        dist.barrier()
-        t0 = time.perf_counter()
-        shares_step(a, b)
-        times["shmap shares"].append(time.perf_counter() - t0)
-        order = ((True, "shmap"), (False, "shmap (checks off)"))
-        for checks, key in order if i % 2 else order[::-1]:
-            shmap.configure_distributed(check_collectives=checks)
-            a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        return lambda: step(x, y, a, b).full_tensor().backward()
+
+    def shares_run():
+        shmap.configure_distributed(check_collectives=True)
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        return lambda: shares_step(a, b)
+
+    def tdnn_run():
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+
+        def run():
+            dnn.all_reduce(local_loss(x[lo:hi], y[lo:hi], a, b)).backward()
+            for p in (a, b):
+                dist.all_reduce(p.grad)
+        return run
+
+    prepare = {"shmap": lambda: shmap_step(True), "shmap (checks off)": lambda: shmap_step(False),
+               "shmap shares": shares_run, "ddp": lambda: ddp_step, "tdnn+ddp": tdnn_run}
+    names = list(prepare)
+    times = {k: [] for k in names}
+    for i in range(steps):
+        for key in names[i % len(names):] + names[:i % len(names)]:
+            run = prepare[key]()  # fresh leaves (untimed)
             dist.barrier()
             t0 = time.perf_counter()
-            step(x, y, a, b).full_tensor().backward()
+            run()
             times[key].append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        ddp_step()
-        times["ddp"].append(time.perf_counter() - t0)
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        dist.barrier()
-        t0 = time.perf_counter()
-        dnn.all_reduce(local_loss(x[lo:hi], y[lo:hi], a, b)).backward()
-        for p in (a, b):
-            dist.all_reduce(p.grad)
-        times["tdnn+ddp"].append(time.perf_counter() - t0)
     shmap.configure_distributed(check_collectives=True)
     out["times"] = {k: statistics.median(v) for k, v in times.items()}
     out["ratios"] = {k: statistics.median(a / b for a, b in zip(v, times["ddp"])) for k, v in times.items()}
@@ -348,7 +352,7 @@ def main():
     print("Backward-pass torch.distributed collectives and bytes; gradient error vs the single-process "
           "gradient (relative; |grad|/|true| in brackets).")
     for world in worlds:
-        r = shmap.spawn(dp_worker, 512, 512, 64, 5 if args.quick else 25, nprocs=world, timeout=300)[0]
+        r = shmap.spawn(dp_worker, 512, 512, 64, 10 if args.quick else 60, nprocs=world, timeout=300)[0]
         print(f"\n  world {world}:")
         for key, what in (("shmap", "shmap (psum of the loss; pvary'd weights)"),
                           ("shmap shares", "shmap, per-rank loss shares (DDP's communication)"),

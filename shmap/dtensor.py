@@ -190,27 +190,66 @@ class _ToBlock(_Function):
 def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     """A DTensor placed by `spec` whose local tensor is `block` (differentiable, no data movement).
 
-    Without autograd (an optimizer step's outputs, say) the DTensor is built
-    directly on a cached spec: `DTensor.from_local` costs an autograd Function
-    and a new spec per call, which dominates a step over many small tensors.
+    Built directly on a cached spec: `DTensor.from_local` makes a new spec,
+    computes strides and runs its autograd Function on every call (about
+    0.2 ms), which dominates a step over many small tensors or a small step.
+    Without autograd (an optimizer step's outputs, say) no Function at all;
+    with it `_FromBlock`.  A pending sum (`Partial`, whose cotangent is
+    placed differently) keeps DTensor's own path.
     """
     from torch.distributed.tensor import DTensor
 
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
+    key = (id(mesh), spec, logical_shape, block.dtype)  # by the block's shape: no global shape to compute
+    got = _BLOCK_SPECS.get(key)
+    if got is None or got[0] is not mesh:
+        got = _BLOCK_SPECS[key] = (mesh, _dtensor_spec(mesh, spec, global_shape(logical_shape, mesh, spec),
+                                                       block.dtype))
+        if len(_BLOCK_SPECS) >= 4096:
+            _BLOCK_SPECS.clear()
     if not (torch.is_grad_enabled() and block.requires_grad):
-        key = (id(mesh), spec, logical_shape, block.dtype)  # by the block's shape: no global shape to compute
-        got = _BLOCK_SPECS.get(key)
-        if got is None or got[0] is not mesh:
-            got = _BLOCK_SPECS[key] = (mesh, _dtensor_spec(mesh, spec, global_shape(logical_shape, mesh, spec),
-                                                           block.dtype))
-            if len(_BLOCK_SPECS) >= 4096:
-                _BLOCK_SPECS.clear()
         return DTensor(block.view_as(block), got[1], requires_grad=False)
-    shape = global_shape(logical_shape, mesh, spec)
-    return DTensor.from_local(
-        block, mesh.device_mesh, placements(mesh, spec), run_check=False,
-        shape=torch.Size(shape), stride=_contiguous_stride(shape),
-    )
+    if spec.unreduced:
+        shape = global_shape(logical_shape, mesh, spec)
+        return DTensor.from_local(block, mesh.device_mesh, placements(mesh, spec), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    return _FromBlock.apply(block, got[1])
+
+
+class _FromBlock(_Function):
+    """Block -> the DTensor holding it (a view, on a cached spec); backward: the cotangent's local block.
+
+    As `DTensor.from_local`'s Function: a cotangent placed otherwise is
+    redistributed to the output's placements first; under create_graph the
+    local block is taken differentiably (`to_local`).
+    """
+
+    @staticmethod
+    def forward(block, dspec):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor(block.view_as(block), dspec, requires_grad=block.requires_grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dspec = inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None
+        want = ctx.dspec
+        if g._spec.placements != want.placements:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec
+            from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+            target = DTensorSpec(want.mesh, want.placements, tensor_meta=g._spec.tensor_meta)
+            return redistribute_local_tensor(g._local_tensor, g._spec, target), None
+        if torch.is_grad_enabled():
+            return g.to_local(), None
+        local = g._local_tensor
+        return local.view_as(local), None
 
 
 #: (id(mesh), spec, global shape, dtype) -> (mesh, DTensorSpec): the specs `from_block` builds on

@@ -143,6 +143,31 @@ def dtensor_boundary():
         bad.append("visualize_sharding of a Partial('max') DTensor was accepted")
     except ValueError as e:
         check("Partial" in str(e) or "pending reduction" in str(e), f"message: {e}")
+    bad += _output_cotangents(mesh)
+    return bad
+
+
+def _output_cotangents(mesh):
+    """A DTensor output's cotangent, in its own placements or another's, to first and second order
+    (the output is built on a cached spec by `dtensor._FromBlock`, not `DTensor.from_local`)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    bad = []
+    f = shmap.shard_map(lambda v: torch.sin(v) * 3, mesh=mesh, in_specs=P(("i", "j")), out_specs=P(("i", "j")))
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64).requires_grad_()
+    ct = torch.arange(8, dtype=torch.float64)
+    want = torch.cos(x.detach()) * 3 * ct
+    out = f(x)
+    dm = mesh.device_mesh
+    other, = torch.autograd.grad(out, x, distribute_tensor(ct, dm, [Replicate(), Replicate()]), retain_graph=True)
+    own, = torch.autograd.grad(out, x, distribute_tensor(ct, dm, [Shard(0), Shard(0)]), create_graph=True)
+    second, = torch.autograd.grad(own.sum(), x)
+    if type(other) is not torch.Tensor or not torch.allclose(other, want):
+        bad.append(f"a Replicate cotangent of a Shard output: gradient {other} != {want}")
+    if not torch.allclose(own.detach(), want):
+        bad.append(f"the output's own cotangent: gradient {own} != {want}")
+    if not torch.allclose(second, -torch.sin(x.detach()) * 3 * ct):
+        bad.append("the second derivative through a DTensor output differs from -3 sin(x) * ct")
     return bad
 
 
