@@ -26,11 +26,16 @@ from .mesh import Mesh, PartitionSpec
 
 
 def is_dtensor(x) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(x, DTensor)
+    if not _DTENSOR:  # imported once (every boundary crossing asks)
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch built without distributed
+            DTensor = ()
+        _DTENSOR.append(DTensor)
+    return isinstance(x, _DTENSOR[0])
+
+
+_DTENSOR: list = []
 
 
 # --------------------------------------------------------------------------

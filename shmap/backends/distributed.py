@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .. import batching
+from .. import batching, dtensor
 from ..errors import SpecError
 from . import traced, watchdog
 from .boundary import (  # noqa: F401  (re-exported)
@@ -108,6 +108,7 @@ class Distributed(Backend):
         self.coords = dict(zip(mesh.axis_names, pos[0].tolist()))
         self._pgs: dict = {}
         self._groups: dict = {}
+        self._starts: dict = {}
         # Built by make_mesh, on every rank together: the guard's own process
         # group, and the groups over several (not all) axes of a mesh of up to
         # 3 axes, so that no later wait is an unwatched group creation
@@ -185,14 +186,12 @@ class Distributed(Backend):
         gradient (assembled from every rank's block) is complete on every rank.
         The axes are handed to `input_value`, which types the value.
         """
-        from .. import dtensor as dt
-
         axes = body.order(spec.axes())
         transformed = _transformed()  # a torch.func transform from outside: plain tensors in and out
         if transformed:
             check_not_dtensor(x, spec)
-        if dt.is_dtensor(x):
-            x = dt.local_block(x, self.mesh, spec)
+        if dtensor.is_dtensor(x):
+            x = dtensor.local_block(x, self.mesh, spec)
             return (Arrive.apply(x) if _grad(x) else x), axes
         starts = self._block_starts(spec, x.shape)
         if starts:
@@ -206,7 +205,18 @@ class Distributed(Backend):
         return x, axes
 
     def _block_starts(self, spec, shape):
-        """{dim: (start, length)} of this rank's block along each split dimension."""
+        """{dim: (start, length)} of this rank's block along each split dimension (remembered)."""
+        if not all(type(s) is int for s in shape):  # symbolic sizes (torch.compile dynamic shapes)
+            return self._block_starts_uncached(spec, shape)
+        key = (spec, tuple(shape))
+        got = self._starts.get(key)
+        if got is None:
+            got = self._starts[key] = self._block_starts_uncached(spec, shape)
+            if len(self._starts) > 4096:
+                self._starts.clear()
+        return got
+
+    def _block_starts_uncached(self, spec, shape):
         out = {}
         for d in range(len(spec)):
             axes = spec.dim_axes(d)
@@ -239,8 +249,6 @@ class Distributed(Backend):
         mesh).  Axes the spec lists as unreduced are `Partial`: the block is
         this rank's term of the pending sum (see `unreduced_output`).
         """
-        from .. import dtensor as dt
-
         if not getattr(body, "_exit_checked", False):
             # The end of each body counts (default: every later signature
             # includes the count) or, in strict mode, exchanges a signature: a
@@ -260,7 +268,7 @@ class Distributed(Backend):
                     phys = ScaleGrad.apply(phys, 1.0 / n)
         if transformed:  # the global value as a plain tensor, as the simulated mesh returns it
             return AssembleBlocks.apply(phys, self, spec, body) if spec.axes() else phys
-        return dt.from_block(phys, self.mesh, spec, tuple(logical_shape))
+        return dtensor.from_block(phys, self.mesh, spec, tuple(logical_shape))
 
     def input_value(self, phys, paxes, body):
         """Type a block: it varies along the axes its spec names (`paxes` from `split`).
