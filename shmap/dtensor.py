@@ -205,6 +205,12 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     from torch.distributed.tensor import DTensor
 
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
+    grad = torch.is_grad_enabled() and block.requires_grad
+    if (spec.unreduced and grad) or not all(type(s) is int for s in logical_shape):
+        # A pending sum with a gradient, or symbolic sizes (torch.compile's dynamic shapes): DTensor's path.
+        shape = global_shape(logical_shape, mesh, spec)
+        return DTensor.from_local(block, mesh.device_mesh, placements(mesh, spec), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
     key = (id(mesh), spec, logical_shape, block.dtype)  # by the block's shape: no global shape to compute
     got = _BLOCK_SPECS.get(key)
     if got is None or got[0] is not mesh:
@@ -212,12 +218,8 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
                                                        block.dtype))
         if len(_BLOCK_SPECS) >= 4096:
             _BLOCK_SPECS.clear()
-    if not (torch.is_grad_enabled() and block.requires_grad):
+    if not grad:
         return DTensor(block.view_as(block), got[1], requires_grad=False)
-    if spec.unreduced:
-        shape = global_shape(logical_shape, mesh, spec)
-        return DTensor.from_local(block, mesh.device_mesh, placements(mesh, spec), run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
     return _FromBlock.apply(block, got[1])
 
 
