@@ -331,8 +331,10 @@ def main():
           f"batch {cfg.batch_size} ({tokens} tokens/step), {cfg.dtype}, block {cfg.block}; "
           f"{n_all / 1e6:.3f}M parameters ({n_mm / 1e6:.3f}M in matmuls).")
     print(f"FLOPs/step = 6*N_matmul*tokens + 12*layers*batch*seq^2*d = {flops / 1e9:.2f} GFLOP.")
-    print(f"{args.warmup} warm-up + {args.repeats} timed steps per variant, interleaved; medians. Every "
-          f"process {'leaves glibc malloc as it is' if args.glibc_default else 'keeps freed memory, as shmap-train does (keep_freed_memory)'}.\n")
+    memory = ("leaves glibc's malloc as it is" if args.glibc_default
+              else "keeps freed memory, as shmap-train does (keep_freed_memory)")
+    print(f"{args.warmup} warm-up + {args.repeats} timed steps per variant, interleaved; medians. Every process "
+          f"{memory}.\n")
 
     peak = None
     if not args.skip_sim:

@@ -1,6 +1,7 @@
 """shmap/train/loop.py: every mesh trains to the losses of plain PyTorch; the run's outputs; a
 non-finite loss and Ctrl-C stop cleanly and lose nothing."""
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ print(json.dumps({"kept": kept, "mmapped": during.hblkhd, "heap_during": during.
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
 def test_keep_freed_memory_keeps_a_steps_blocks_in_the_heap():
     def run(mode):
         out = subprocess.run([sys.executable, "-c", _MALLINFO, mode], capture_output=True, text=True, check=True)
