@@ -205,8 +205,12 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
     def local_loss(xb, yb, a, b):
         return ((torch.relu(xb @ a) @ b - yb) ** 2).sum() / n
 
+    def fresh():
+        """New leaves for the weights (every variant starts from the same values)."""
+        return w1.clone().requires_grad_(), w2.clone().requires_grad_()
+
     # The truth: one process, the whole batch.
-    a0, b0 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    a0, b0 = fresh()
     local_loss(x, y, a0, b0).backward()
     true = (a0.grad, b0.grad)
 
@@ -218,7 +222,7 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
     # shmap: the batch is split over 'i', the weights are replicated (P()).
     step = shmap.shard_map(lambda xb, yb, a, b: shmap.psum(local_loss(xb, yb, a, b), "i"), mesh=mesh,
                            in_specs=(P("i"), P("i"), P(), P()), out_specs=P())
-    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    a, b = fresh()
     loss = step(x, y, a, b).full_tensor()
     with shmap.comm_log() as log, CountCollectives(watchdog.watch().control) as cnt:
         loss.backward()
@@ -234,7 +238,7 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
     def shares_step(a, b):
         shares(x, y, a, b).to_local().sum().backward()
 
-    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    a, b = fresh()
     with shmap.comm_log() as log, CountCollectives(watchdog.watch().control) as cnt:
         shares_step(a, b)
     out["shmap shares"] = dict(calls=cnt.calls, bytes=cnt.bytes, log=log.summary(), log_bytes=log.total_bytes,
@@ -243,7 +247,7 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
 
     # torch.distributed.nn: every rank all-reduces its shard's loss into the same global loss.
     lo, hi = rank * batch_per_rank, (rank + 1) * batch_per_rank
-    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    a, b = fresh()
     loss = dnn.all_reduce(local_loss(x[lo:hi], y[lo:hi], a, b))
     with CountCollectives() as cnt:
         loss.backward()
@@ -282,16 +286,16 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
     # (the first of a round pays for memory the others then reuse; rotating spreads that alike).
     def shmap_step(checks):
         shmap.configure_distributed(check_collectives=checks)
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        a, b = fresh()
         return lambda: step(x, y, a, b).full_tensor().backward()
 
     def shares_run():
         shmap.configure_distributed(check_collectives=True)
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        a, b = fresh()
         return lambda: shares_step(a, b)
 
     def tdnn_run():
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        a, b = fresh()
 
         def run():
             dnn.all_reduce(local_loss(x[lo:hi], y[lo:hi], a, b)).backward()
