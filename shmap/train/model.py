@@ -237,7 +237,11 @@ def forward(cfg: Config, layout: Layout, specs: dict, params: dict, tokens):
 
     s = tokens.shape[-1]
     x = F.embedding(tokens, w(params["embedding"], specs["embedding"]))
-    x = x + w(params["pos_embed"], specs["pos_embed"])[:s]
+    pos = w(params["pos_embed"], specs["pos_embed"])
+    # Slice only a shorter sequence (sampling): a slice's backward reads its cotangent, and under DP
+    # that cotangent is pos_embed's gradient psum, which would have to arrive mid-pass (one more
+    # collective, waited for) instead of riding in the pass's last bucket.
+    x = x + (pos if s == pos.shape[0] else pos[:s])
     for i in range(cfg.layers):
         p, sp = params["layers"][str(i)], specs["layers"][str(i)]
         if cfg.remat:  # keep only each layer's input; recompute the rest in the backward pass

@@ -22,3 +22,14 @@ def test_deferred_bucketed_reductions(nprocs):
     results = shmap.spawn(dist_deferred.run_cases, nprocs=nprocs, timeout=90)
     assert results[0] == [], "\n".join(results[0])
     assert all(r == results[0] for r in results)
+
+
+def test_a_dp_training_step_reduces_every_gradient_in_one_bucket():
+    """The recipe's data=2 step on 2 processes: the loss's psum, then one all_reduce for every gradient
+    (the tiny model fits the first bucket).  Nothing in the backward pass may read a gradient's psum
+    before the pass ends: a read launches its bucket early, and the rest goes in another one."""
+    results = shmap.spawn(dist_deferred.recipe_dp_step_collectives, "data=2", nprocs=2, timeout=90)
+    assert results[0] == results[1]
+    loss_psum, *buckets = results[0]
+    assert loss_psum == 1 + 32  # one element, and the signature trailer
+    assert len(buckets) == 1, f"gradient all_reduces of {buckets} elements: expected one bucket"
