@@ -11,9 +11,11 @@
 - keeps double backward (create_graph) exact;
 - moves weights gathered back to back (FSDP's forward, gathered up front) in
   one all_gather per bucket, still reported as one all_gather each;
-- puts every bucket still filling on the wire before the first read waits for
-  any (a replicated weight's all_reduce and a sharded one's reduce-scatter
-  travel together, not one after the other's wait).
+- puts every bucket of a group still filling on the wire before the first read
+  of that group waits (a replicated weight's all_reduce and a sharded one's
+  reduce-scatter travel together, not one after the other's wait), and only
+  that group's (4 ranks: a tensor-parallel read mid-pass leaves the
+  data-parallel bucket filling).
 Returns a list of failure messages (empty: all passed).
 """
 from __future__ import annotations
@@ -90,6 +92,12 @@ def _fsdp_prefetch_body(ws, x):
 def _mixed_body(w_rep, w_sh, x):
     h = torch.tanh(x @ shmap.all_gather(w_sh, "i", axis=0, tiled=True))  # transpose: a reduce-scatter
     return shmap.psum(torch.tanh(h @ w_rep).sum(), "i")                   # w_rep's pvary: an all_reduce
+
+
+def _tp_body(w1, w_col, w_row, w2, x):
+    h = x * w1                                        # w1's pvary over i: the i bucket
+    z = shmap.psum((h @ w_col) @ w_row, "j")          # h's pvary over j: read at once in the backward
+    return shmap.psum((z * w2).sum(), "i")            # w2's pvary over i: the i bucket, opened first
 
 
 def _weights():
@@ -257,6 +265,27 @@ def run_cases():
                      "launched before the first wait, [(1, 1), ...]")
     if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref_m)):
         fails.append("mixed buckets: gradients differ from the simulated mesh's")
+
+    if world == 4:  # a read launches only its own group's buckets
+        m2 = shmap.make_mesh((2, 2), ("i", "j"))
+        s2 = shmap.make_mesh((2, 2), ("i", "j"), distributed=False)
+        specs = (P(), P(None, "j"), P("j"), P(), P("i"))
+
+        def tp(m):
+            f = shmap.shard_map(_tp_body, mesh=m, in_specs=specs, out_specs=P())
+            w = [t.detach().clone().requires_grad_() for t in (ws[0][0], ws[1], ws[2], ws[3][0])]
+            out = f(*w, x)
+            _COUNT[0] = 0
+            grads = torch.autograd.grad(out.to_local() if m.is_distributed else out, w)
+            return grads, _COUNT[0]
+
+        ref_t, _ = tp(s2)
+        grads, count = tp(m2)
+        if count != 2:
+            fails.append(f"2x2 mesh: {count} gloo all_reduces in the backward pass, expected 2 (h's psum over j, read "
+                         "at once; one bucket over i for w2, w_row, w_col and w1)")
+        if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref_t)):
+            fails.append("2x2 mesh: gradients differ from the simulated mesh's")
 
     # .backward() accumulates ordinary tensors into .grad
     grads, _, _, _ = _grads(mesh, ws, x, 1 << 20, how="backward")
