@@ -60,16 +60,18 @@ def global_norm(grads, specs):
     """sqrt(sum of every gradient element squared), over the global (unsharded) gradients.
 
     Each device sums the squares of its blocks, grouped by the axes the blocks
-    are sharded over; each group is psum'd over exactly those axes (one psum per
-    group, not per tensor), and a replicated group not at all: its sum is
-    already the whole.  The result is invariant, which `out_specs=P()` checks.
+    are sharded over (as a set: `P('tensor', 'fsdp')` and `P('fsdp', 'tensor')`
+    shard over the same devices); each group is psum'd over exactly those axes
+    (one psum per group, not per tensor), and a replicated group not at all:
+    its sum is already the whole.  The result is invariant, which
+    `out_specs=P()` checks.
     """
     leaves = optree.tree_leaves(grads)
     wide = any(g.dtype in (torch.bfloat16, torch.float16) for g in leaves)
     norms = torch._foreach_norm(leaves, 2, dtype=torch.float32) if wide else torch._foreach_norm(leaves, 2)
     groups = {}
     for n, spec in zip(norms, optree.tree_leaves(specs, is_leaf=_is_spec)):
-        groups.setdefault(spec_axes(spec), []).append(n)
+        groups.setdefault(tuple(sorted(spec_axes(spec))), []).append(n)
     sums = {axes: torch.stack(ns).pow(2).sum() for axes, ns in groups.items()}
     total = sum(shmap.psum(sq, axes) if axes else sq for axes, sq in sums.items())
     return torch.sqrt(total)

@@ -318,8 +318,9 @@ def run_cases():
     return fails
 
 
-def recipe_dp_step_collectives(mesh_flag):
-    """The gloo all_reduces one training step of the recipe launches (tiny model, `mesh_flag`)."""
+def recipe_step_collectives(mesh_flags):
+    """{mesh: [(torch.distributed call, elements)]}: what one training step of the recipe (tiny model)
+    puts on the wire, per mesh."""
     import sys
     from pathlib import Path
 
@@ -327,17 +328,26 @@ def recipe_dp_step_collectives(mesh_flag):
     from shmap.train import loop
     from tests.train.tiny import tiny
 
-    run = loop.Run(tiny(mesh_flag))
-    params, opt = run.fresh_state()
-    params, opt, _ = run.step(params, opt, 0)  # (warm: the first step builds its plans)
-    calls, real = [], dist.all_reduce
+    names = [n for n in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+                         "all_gather_into_tensor") if hasattr(dist, n)]
+    out = {}
+    for flag in mesh_flags:
+        run = loop.Run(tiny(flag))
+        params, opt = run.fresh_state()
+        params, opt, _ = run.step(params, opt, 0)  # (warm: the first step builds its plans)
+        calls, real = [], {n: getattr(dist, n) for n in names}
 
-    def counting(t, *args, **kwargs):
-        calls.append(t.numel())
-        return real(t, *args, **kwargs)
-    dist.all_reduce = counting
-    try:
-        run.step(params, opt, 1)
-    finally:
-        dist.all_reduce = real
-    return calls
+        def counting(name):
+            def call(*args, **kwargs):
+                calls.append((name, args[0].numel()))
+                return real[name](*args, **kwargs)
+            return call
+        for n in names:
+            setattr(dist, n, counting(n))
+        try:
+            run.step(params, opt, 1)
+        finally:
+            for n in names:
+                setattr(dist, n, real[n])
+        out[flag] = calls
+    return out
