@@ -13,9 +13,12 @@ distributed mesh, where a value is its block): at every position the body values
 (a parameter, its gradient, its moments) are of one body, one type (vma), one
 layout, and nothing else is a tensor but a 0-d invariant factor outside
 autograd (a clipping scale).  The same rule as the elementwise fast
-path in tensor.py: nothing to lift, so the physical op is the op.  Any other
-call (mixed types at a position, a closed-over tensor, an in-place foreach,
-which must pass the in-place checks) runs as its per-tensor op at each
+path in tensor.py: nothing to lift, so the physical op is the op.  An
+in-place foreach (`_foreach_add_`, as torch.optim writes its updates) takes
+it too, after each target passes the per-tensor in-place checks (not an
+argument of the body, its own storage); since every operand at a position
+has the target's type, the type rule holds as it is.  Any other call (mixed
+types at a position, a closed-over tensor) runs as its per-tensor op at each
 position, through ordinary dispatch: slower, never different.  functorch has
 no batching rule for foreach ops, so on the simulated mesh this is also what
 makes them work at all.
@@ -26,7 +29,7 @@ import torch
 
 from . import batching
 from .errors import VmaError
-from .tensor import _NUMBER, _SPECIAL, ShTensor
+from .tensor import _NUMBER, _SPECIAL, ShTensor, _check_not_argument, _make_writable
 
 
 def _positions(args, kwargs):
@@ -103,17 +106,24 @@ def _at(a, i, n):
 def _direct(name, types) -> bool:
     """Whether the foreach op runs on the physical tensors as they are: an elementwise op, or any op
     where a physical tensor is the block itself (no device dims: a reduction stays within it)."""
-    return name[len("_foreach_"):] in batching.POINTWISE or not types[0][2].backend.device_dims
+    return name[len("_foreach_"):].rstrip("_") in batching.POINTWISE or not types[0][2].backend.device_dims
 
 
 def _foreach(func, args, kwargs):
     n = _positions(args, kwargs)
     name = func.__name__
-    if not name.endswith("_"):
-        types = _typed_positions(args, kwargs, n)
-        if types and _direct(name, types):
-            out = func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
-            return [ShTensor(o, t[0], t[1], t[2]) for o, t in zip(out, types)]
+    types = _typed_positions(args, kwargs, n)
+    if types and _direct(name, types):
+        if name.endswith("_"):  # in place on args[0]: each target checked as its per-tensor op checks it
+            for x in args[0]:
+                _check_not_argument(func, x)
+                _make_writable(x)
+            func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
+            for x in args[0]:
+                x._lifts = None
+            return None
+        out = func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
+        return [ShTensor(o, t[0], t[1], t[2]) for o, t in zip(out, types)]
     op = _per_tensor_op(name)
     outs = [op(*[_at(a, i, n) for a in args], **{k: _at(v, i, n) for k, v in kwargs.items()}) for i in range(n)]
     return None if name.endswith("_") else outs

@@ -108,15 +108,50 @@ def test_reductions_run_per_position_on_the_simulated_mesh(fast_calls):
     assert fast_calls == [True]  # typed, but `_direct` sends it per position
 
 
-def test_in_place_foreach_runs_per_tensor_with_the_in_place_checks():
-    def body(a):
-        t = a * 1.0
-        torch._foreach_add_([t], 1.0)
-        return t
-    a = torch.randn(4)
-    torch.testing.assert_close(sm(body, P("i"), P("i"))(a), a + 1)
+def test_in_place_foreach_takes_the_fast_path_after_the_in_place_checks(fast_calls):
+    """torch.optim's form: in-place foreach updates of the body's own values, one physical call; an
+    argument (or a view of it) is still refused, and a pvary of one gets its own copy first."""
+    def body(a, b):
+        t, u = a * 1.0, b * 2.0
+        torch._foreach_add_([t, u], [t, u], alpha=0.5)
+        torch._foreach_addcmul_([t, u], [t, u], [t, u], value=0.25)
+        return t, u
+
+    a, b = torch.randn(4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    t, u = sm(body, (P("i"), P()), (P("i"), P()))(a, b)
+    for got, x in ((t, a), (u, 2 * b)):
+        torch.testing.assert_close(got, 1.5 * x + 0.25 * (1.5 * x) ** 2)
+    assert fast_calls == [True, True]
     with pytest.raises(shmap.InPlaceInputError, match="argument 0"):
         sm(lambda a: torch._foreach_add_([a], 1.0) or a, P("i"), P("i"))(a)
+    with pytest.raises(shmap.InPlaceInputError, match="argument 0"):
+        sm(lambda a: torch._foreach_add_([a[:2]], 1.0) or a, P("i"), P("i"))(a)
+    c = torch.randn(3)
+    before = c.clone()
+    def lifted(c):
+        v = shmap.pvary(c, "i")
+        torch._foreach_mul_([v], 3.0)
+        return v
+    torch.testing.assert_close(sm(lifted, P(), P("i"))(c), (3 * before).repeat(2))
+    assert torch.equal(c, before)  # the caller's tensor is untouched
+
+
+def test_in_place_foreach_gradients_match_plain_pytorch():
+    def f(a, b):
+        t, u = a * 1.0, b * 1.0
+        torch._foreach_mul_([t, u], 3.0)
+        torch._foreach_addcmul_([t, u], [a, b], [a, b], value=0.5)
+        return t, u
+
+    a = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    got = sm(f, (P("i"), P()), (P("i"), P()))(a, b)
+    want = f(a, b)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    cots = [torch.randn_like(w) for w in want]
+    for g, w in zip(torch.autograd.grad(got, (a, b), cots), torch.autograd.grad(want, (a, b), cots)):
+        torch.testing.assert_close(g, w)
 
 
 def test_a_closed_over_tensor_in_a_list_is_typed_as_invariant():

@@ -95,12 +95,15 @@ def _vmap_grad_psum(x):
 
 
 def _foreach_adam(a, c):
-    """Adam's foreach form on positions of two types, then a per-position norm (a reduction: one
-    physical call on the distributed mesh, per position on the simulated one)."""
+    """Adam's foreach form on positions of two types, in place on its own intermediates as the
+    recipe's Adam, then a per-position norm (a reduction: one physical call on the distributed mesh,
+    per position on the simulated one)."""
     xs = [a, c]
     m = torch._foreach_lerp(xs, torch._foreach_mul(xs, 2.0), 0.25)
-    v = torch._foreach_addcmul(torch._foreach_mul(xs, xs), xs, xs, value=0.1)
-    d = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), 3.0), 1e-3)
+    v = torch._foreach_mul(xs, xs)
+    torch._foreach_addcmul_(v, xs, xs, value=0.1)
+    d = torch._foreach_div(torch._foreach_sqrt(v), 3.0)  # (sqrt's backward reads its output)
+    torch._foreach_add_(d, 1e-3)
     p, q = torch._foreach_addcdiv(xs, m, d, value=-0.5)
     n_p, n_q = torch._foreach_norm([p, q])
     return p * shmap.psum(n_p ** 2, "i"), q * n_q
