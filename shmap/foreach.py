@@ -114,7 +114,10 @@ def _foreach(func, args, kwargs):
     name = func.__name__
     types = _typed_positions(args, kwargs, n)
     if types and _direct(name, types):
-        if name.endswith("_"):  # in place on args[0]: each target checked as its per-tensor op checks it
+        if not name.endswith("_"):
+            out = func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
+            return [ShTensor(o, t[0], t[1], t[2]) for o, t in zip(out, types)]
+        if all(type(x) is ShTensor for x in args[0]):  # in place: each target checked as its per-tensor op's
             for x in args[0]:
                 _check_not_argument(func, x)
                 _make_writable(x)
@@ -122,8 +125,6 @@ def _foreach(func, args, kwargs):
             for x in args[0]:
                 x._lifts = None
             return None
-        out = func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
-        return [ShTensor(o, t[0], t[1], t[2]) for o, t in zip(out, types)]
     op = _per_tensor_op(name)
     outs = [op(*[_at(a, i, n) for a in args], **{k: _at(v, i, n) for k, v in kwargs.items()}) for i in range(n)]
     return None if name.endswith("_") else outs
