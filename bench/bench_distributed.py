@@ -307,15 +307,18 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
                "shmap shares": shares_run, "ddp": lambda: ddp_step, "tdnn+ddp": tdnn_run}
     names = list(prepare)
     times = {k: [] for k in names}
+    cpu = {k: [] for k in names}
     for i in range(steps):
         for key in names[i % len(names):] + names[:i % len(names)]:
             run = prepare[key]()  # fresh leaves (untimed)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             run()
             times[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.thread_time() - c0)  # the main thread's Python and kernels, not its waits
     shmap.configure_distributed(check_collectives=True)
     out["times"] = {k: statistics.median(v) for k, v in times.items()}
+    out["cpu"] = {k: statistics.median(v) for k, v in cpu.items()}
     out["ratios"] = {k: statistics.median(a / b for a, b in zip(v, times["ddp"])) for k, v in times.items()}
     return out
 
@@ -379,6 +382,10 @@ def main():
               f"{tm['tdnn+ddp'] * 1e3:.2f} ms = x{q['tdnn+ddp']:.2f}")
         print(f"    with DDP's communication (per-rank loss shares: one all_reduce, as DDP; default checks): "
               f"{tm['shmap shares'] * 1e3:.2f} ms = x{q['shmap shares']:.2f} DDP")
+        c = r["cpu"]
+        print(f"    main-thread CPU per step (rank 0; steadier than wall time on a busy machine): shares "
+              f"{c['shmap shares'] * 1e3:.2f} ms = x{c['shmap shares'] / c['ddp']:.2f} DDP's {c['ddp'] * 1e3:.2f} ms; "
+              f"default {c['shmap'] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
