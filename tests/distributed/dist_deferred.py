@@ -239,8 +239,8 @@ def run_cases():
                 fails.append(f"FSDP prefetch bucket_bytes={bucket}: weight {k}'s gradient is a "
                              f"{type(a).__name__} or differs from the simulated mesh's")
 
-    # The first read waits: every bucket still filling is launched first (FSDP's end of the backward:
-    # the replicated norm scales' all_reduce and the weights' reduce-scatter go out together)
+    # The first read waits: every bucket of its group still filling is launched first (FSDP's end of
+    # the backward: the replicated norm scales' all_reduce and the weights' reduce-scatter go out together)
     def mixed(m):
         f = shmap.shard_map(_mixed_body, mesh=m, in_specs=(P(), P("i"), P("i")), out_specs=P())
         w = [t.detach().clone().requires_grad_() for t in ws[:2]]
