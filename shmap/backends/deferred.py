@@ -18,15 +18,12 @@ big one on gloo.  As DDP's, a pass's first bucket is small
 backward still runs, and the later ones large (25 MiB): each collective has a
 fixed cost, and on a CPU the overlap of many small ones buys little.  A bucket
 launches when it is full, when any of its values is read, or when the
-backward pass ends; a read (which waits) first launches every other bucket
-of its group still filling, so the last reductions of a pass over one group
-(FSDP's reduce-scatter and its replicated scales' all_reduce) travel
-together instead of each waiting for the one before.  (Only its group's: a
-tensor-parallel activation's psum is read at once, mid-pass, and must not
-launch the FSDP buckets still filling.)  Every rank runs the same program,
-so every rank fills and launches the same buckets in the same order;
-`comm_log` still reports one psum per transpose (the program's
-collectives), the guard counts the buckets (the wire's).
+backward pass ends (a read launches its own bucket only: a tensor-parallel
+activation's psum is read at once, mid-pass, and must not launch the FSDP
+buckets still filling).  Every rank runs the same program, so every rank
+fills and launches the same buckets in the same order; `comm_log` still
+reports one psum per transpose (the program's collectives), the guard
+counts the buckets (the wire's).
 
 Nothing may read a gradient before it has arrived, and nothing does: every
 op on a `Deferred` waits first.  Where the cotangent goes straight into the
@@ -203,11 +200,7 @@ class Bucket:
             self.flight, self.result = _launch_psum_scatter(rows, self.g, 0, False)
 
     def read(self, i, shape):
-        if self.parts is not None:
-            self.launch()
-            for key, b in list(_OPEN.items()):  # a read waits: its group's other buckets go on the wire first
-                if key[0] == self.key[0]:
-                    b.launch()
+        self.launch()
         if self.value is None:
             if self.flight is not None:
                 self.flight.finish()
