@@ -29,7 +29,7 @@ import torch
 
 from . import batching
 from .errors import VmaError
-from .tensor import _NUMBER, _SPECIAL, ShTensor, _check_not_argument, _make_writable
+from .tensor import _NUMBER, _SPECIAL, ShTensor, _check_inplace, _make_writable
 
 
 def _positions(args, kwargs):
@@ -119,7 +119,7 @@ def _foreach(func, args, kwargs):
             return [ShTensor(o, t[0], t[1], t[2]) for o, t in zip(out, types)]
         if all(type(x) is ShTensor for x in args[0]):  # in place: each target checked as its per-tensor op's
             for x in args[0]:
-                _check_not_argument(func, x)
+                _check_inplace(func, x, x._vma, x._body)  # (every operand at its position has x's type)
                 _make_writable(x)
             func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
             for x in args[0]:

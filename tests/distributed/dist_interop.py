@@ -95,8 +95,8 @@ def _vmap_grad_psum(x):
 
 
 def _foreach_adam(a, c):
-    """Adam's foreach form on positions of two types, in place on its own intermediates as the
-    recipe's Adam, then a per-position norm (a reduction: one physical call on the distributed mesh,
+    """Adam's foreach form on positions of two types, in place on its own intermediates as
+    torch.optim's foreach Adam updates, then a per-position norm (a reduction: one physical call on the distributed mesh,
     per position on the simulated one)."""
     xs = [a, c]
     m = torch._foreach_lerp(xs, torch._foreach_mul(xs, 2.0), 0.25)
