@@ -64,7 +64,7 @@ def main() -> None:
     if rank == 0:
         print(f"loss/grad step: {log.summary()} collectives forward and backward, {log.total_bytes} bytes")
         print("OK: the distributed mesh agrees with the simulated mesh and with plain torch")
-    dist.destroy_process_group()
+    shmap.shutdown_distributed()  # tell the other ranks this one finished, wait for them, destroy the groups
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "run with torchrun --nproc-per-node 4"
     out, grad, norm = run()                      # one process per device
-    dist.destroy_process_group()
+    shmap.shutdown_distributed()  # tell the other ranks this one finished, wait for them, destroy the groups
     sim_out, sim_grad, sim_norm = run()          # the same program, simulated in this process
     assert torch.equal(out[0, 0], torch.tensor([[24., 28.], [32., 36.]])) and (out == out[0, 0]).all()
     for a, b in ((out, sim_out), (grad, sim_grad), (norm, sim_norm)):

@@ -46,6 +46,7 @@ from .backends.watchdog import (
     DistributedError,
     RankFailedError,
     configure_distributed,
+    shutdown_distributed,
 )
 from .dtensor import device_put, visualize_sharding
 from .launch import SpawnError, spawn
@@ -59,7 +60,7 @@ __all__ = [
     "comm_log", "CommLog", "CommEvent",
     "ShmapError", "SpecError", "VmaError", "UnboundAxisError", "CollectiveShapeError",
     "CollectiveArgumentError", "VaryingControlFlowError", "InPlaceInputError", "JitError", "TransformError",
-    "device_put", "visualize_sharding", "configure_distributed", "spawn",
+    "device_put", "visualize_sharding", "configure_distributed", "shutdown_distributed", "spawn",
     "DistributedError", "RankFailedError", "CollectiveMismatchError", "CollectiveTimeoutError", "SpawnError",
     "kernels",
 ]

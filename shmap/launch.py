@@ -166,12 +166,4 @@ def _finish(out, failed):
     w = watchdog._WATCH
     if failed or (w is not None and w.poisoned):
         watchdog._hard_exit(1 if failed else 0)
-    import torch.distributed as dist
-
-    watchdog.report_exit()
-    if w is not None and w.status == "exited" and watchdog.exit_barrier():
-        watchdog._hard_exit(1)  # the others failed waiting for this rank (its result is sent already)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    watchdog.shutdown_distributed()  # (exits 1 if the others failed waiting for this rank; its result is sent)

@@ -189,6 +189,34 @@ def report_exit() -> None:
         w.report("exited", f"finished its program after collective #{w.counter} (last: {last})")
 
 
+def shutdown_distributed() -> None:
+    """End this process's part of a distributed run, as `jax.distributed.shutdown` does: call it last.
+
+    In order: tell the other ranks this one finished (`report_exit`), wait
+    until every rank has finished or failed (`exit_barrier`: milliseconds when
+    they finish together, at most the collective timeout capped at 60 s), then
+    destroy the process groups.  Calling `torch.distributed.destroy_process_group()`
+    directly skips the first two: a peer still waiting for this rank then
+    hears only that its connection closed, not that it finished, and a rank
+    that ended early is not told that the others failed because of it.  If
+    they did, this says so and ends the process with status 1, as it would at
+    interpreter exit, so that no rank of a broken run ends 0.  A rank that
+    raises should not call it: its uncaught exception is reported to the
+    others (`sys.excepthook`).  Without a process group it does nothing.
+    """
+    dist = _dist()
+    if not dist.is_initialized():
+        return
+    w = _WATCH
+    if w is not None and w.poisoned:
+        _hard_exit(1)
+    report_exit()
+    if w is not None and w.status == "exited" and exit_barrier():
+        _hard_exit(1)  # the others failed waiting for this rank
+    _gone(w)
+    dist.destroy_process_group()
+
+
 def _live(w) -> bool:
     """The world `w` guards is still up (after destroy_process_group nobody waits, and the store may be gone)."""
     dist = _dist()

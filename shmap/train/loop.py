@@ -381,15 +381,17 @@ def keep_freed_memory() -> bool:
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     keep_freed_memory()
+    code = 0
     try:
         _init_distributed(cfg)
         train(cfg)
-    except (ConfigError, NonFiniteLossError) as e:
+    except (ConfigError, NonFiniteLossError) as e:  # every rank meets these alike
         print(f"shmap-train: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, NonFiniteLossError) else 2
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        code = 1 if isinstance(e, NonFiniteLossError) else 2
+    except KeyboardInterrupt:  # (torchrun passes Ctrl-C to every rank)
+        code = 130
+    # Under torchrun: tell the other ranks this one finished, wait for them, destroy the process groups.
+    # Any other exception propagates without this: the process's exception hook reports it to the other
+    # ranks, which name it, and this rank leaves first (so torchrun's "root cause" is this rank).
+    shmap.shutdown_distributed()
+    return code

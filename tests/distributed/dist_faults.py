@@ -150,6 +150,26 @@ def return_between(bad_rank, timeout=20.0):
     return "finished"
 
 
+def shut_down_early(bad_rank, timeout=20.0):
+    """`bad_rank` calls `shmap.shutdown_distributed()` right after make_mesh; the others run a shard_map."""
+    shmap.configure_distributed(timeout=timeout)
+    _mesh()
+    if _rank() == bad_rank:
+        shmap.shutdown_distributed()  # hears that the others failed because of it: ends with status 1
+        return "shut down early"
+    _psum_program()
+    return "finished"
+
+
+def shut_down_together():
+    """Every rank runs the program, then `shmap.shutdown_distributed()`: (process group left?, a value)."""
+    import torch.distributed as dist
+
+    out = _psum_program()
+    shmap.shutdown_distributed()
+    return dist.is_initialized(), out
+
+
 def other_collective(bad_rank, timeout=20.0):
     """`bad_rank` calls all_gather where the others call psum (default checks)."""
     shmap.configure_distributed(timeout=timeout)

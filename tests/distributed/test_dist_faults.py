@@ -117,6 +117,21 @@ def test_a_rank_that_returns_early_is_named_and_spawn_says_so(fn):
     assert "rank 1: returned early" in str(err), str(err)
 
 
+def test_shutdown_distributed_after_the_program_destroys_the_process_group_on_every_rank():
+    for left, value in shmap.spawn(dist_faults.shut_down_together, nprocs=3, timeout=60):
+        assert left is False and value == [3.0, 3.0]
+
+
+def test_a_rank_that_shuts_down_early_is_named_and_ends_non_zero():
+    """`shutdown_distributed` runs the exit protocol first: the others hear the rank finished (not just
+    that its connection closed), and it hears that they failed because of it, so it ends with status 1."""
+    err = run_failing(dist_faults.shut_down_early, 1, nprocs=3)
+    assert 1 not in err.results, err  # it never got to return its value
+    assert err.errors[1][0] == "ProcessDied" and "1" in err.errors[1][1], err.errors[1]
+    for r, msg in _others(err, 1, 3):
+        assert "rank 1" in msg and "finished the program" in msg, msg
+
+
 @pytest.mark.parametrize("fn, how", [(dist_faults.other_collective, "all_gather over 'i'"),
                                      (dist_faults.other_shape, "float32[1]"),
                                      (dist_faults.other_shape_bigger, "float32[4]"),

@@ -74,3 +74,20 @@ def test_a_world_of_the_wrong_size_is_refused_naming_the_flag():
     p = _torchrun(2, "--mesh", "data=4", "--steps", "1", "--out", "")
     assert p.returncode != 0
     assert "--mesh data=4 has 4 devices but torchrun started 2 processes" in p.stderr
+
+
+def test_a_failure_on_one_rank_is_torchruns_root_cause(tmp_path):
+    """Rank 0 alone writes --out, so an --out that is a file fails there only, after make_mesh.  That
+    rank must leave first, with its own status (it was SIGTERMed by torchrun after the other rank when
+    `main` destroyed the process groups on the way out, skipping the exit protocol), so that torchrun's
+    root cause is its error.  (torchrun then stops the other rank, which, when it gets to say anything
+    first, names rank 0's error.)"""
+    f = tmp_path / "a_file"
+    f.write_text("")
+    p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(f))
+    assert p.returncode != 0
+    root = p.stderr[p.stderr.index("Root Cause"):]
+    assert "rank      : 0 " in root and "exitcode  : 1 " in root and "FileExistsError" in root, root
+    if "RankFailedError" in p.stderr:
+        assert "rank 0: FileExistsError" in p.stderr, p.stderr[-3000:]
+    assert f.read_text() == ""  # nothing written over the user's file
