@@ -343,11 +343,13 @@ def _outcome(work, e):
     raises "Operation timed out!"; the work can complete in the microseconds
     before the caller asks `is_completed()`.  Read that way, a collective that
     succeeded was reported as timed out (a loaded 4-process run did, about once
-    in 40 runs).  A completed work's own `wait()` returns at once, or raises the
+    in 40 runs).  A completed work's own wait returns at once, or raises the
     error it completed with, which names the cause better than the slice's.
+    (A wait with the slice's timeout: should the work be in some other state,
+    this reports the slice's error, as before, rather than wait unwatched.)
     """
     try:
-        work.wait()
+        work.wait(_POLL[0])
     except RuntimeError as real:
         return real
     return None
