@@ -208,13 +208,21 @@ def shutdown_distributed() -> None:
     if not dist.is_initialized():
         return
     w = _WATCH
-    if w is not None and w.poisoned:
-        _hard_exit(1)
-    report_exit()
-    if w is not None and w.status == "exited" and exit_barrier():
-        _hard_exit(1)  # the others failed waiting for this rank
+    if w is not None:
+        _finish_program(w)
     _gone(w)
     dist.destroy_process_group()
+
+
+def _finish_program(w) -> None:
+    """The common part of a rank's end (at interpreter exit, or `shutdown_distributed`): a poisoned
+    guard ends the process with status 1; otherwise report "finished" and wait for the others, ending
+    with status 1 if they failed because this rank ended early."""
+    if w.poisoned:
+        _hard_exit(1)
+    report_exit()
+    if w.status == "exited" and exit_barrier():
+        _hard_exit(1)
 
 
 def _live(w) -> bool:
@@ -295,11 +303,7 @@ def _at_exit():
     w = _WATCH
     if w is None:
         return
-    if w.poisoned:
-        _hard_exit(1)
-    report_exit()
-    if w.status == "exited" and exit_barrier():
-        _hard_exit(1)
+    _finish_program(w)
     if w.status == "failed" and _live(w):
         # An uncaught exception (reported, traceback printed): leave now.  Tearing down process groups
         # that peers still wait in can take seconds, and a launcher that sees a peer fail first would
