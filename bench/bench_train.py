@@ -17,6 +17,10 @@ the same init, the same per-rank rows of the same batches, global-norm
 clipping and `torch.optim.Adam` with the recipe's schedule.  Tokens/s and
 shmap / baseline.  Goal: >= 1.0x.
 
+`--compile`: Part 2 with every variant's loss compiled by Inductor, forward
+and backward (shmap: `shmap-train --compile`; DDP and FSDP2:
+`torch.compile` of the module), the optimizers eager on every side.
+
 Part 3, memory per process: bytes of parameters + Adam state each rank holds
 (`DTensor.to_local()` sizes; exact), and the peak RSS growth over two steps
 of a fresh process per variant (`ru_maxrss`).  FSDP should hold about 1/N.
@@ -32,6 +36,7 @@ printed; on a shared machine compare ratios, not absolute times.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import resource
@@ -154,7 +159,7 @@ class PlainModel(torch.nn.Module):
         return model.loss_fn(self.cfg, self.layout, self.specs, params, tokens)
 
 
-def _baseline(cfg: Config, kind: str):
+def _baseline(cfg: Config, kind: str, compile_: bool = False):
     import torch.distributed as dist
 
     net = PlainModel(cfg)
@@ -168,10 +173,11 @@ def _baseline(cfg: Config, kind: str):
         # per-layer units (whose hooks fire on each submodule's forward) have nothing to hook.
         fully_shard(net, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    run = torch.compile(net) if compile_ else net  # as shmap-train --compile: the loss, forward and backward
 
     def step(tokens, k):
         opt.zero_grad(set_to_none=True)
-        loss = net(tokens)
+        loss = run(tokens)
         loss.backward()
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.clip)
@@ -187,8 +193,8 @@ def _baseline(cfg: Config, kind: str):
     return step, state_bytes
 
 
-def _variants(cfg_small: bool, world: int, which):
-    """name -> (step(k) -> loss value, state_bytes()) on this rank."""
+def _variants(cfg_small: bool, world: int, which, compile_: bool = False):
+    """name -> (step(k) -> loss value, state_bytes()) on this rank (`compile_`: every variant's loss compiled)."""
     import torch.distributed as dist
 
     out = {}
@@ -196,7 +202,7 @@ def _variants(cfg_small: bool, world: int, which):
     for name in which:
         if name.startswith("shmap"):
             mesh = {"data": world} if name == "shmap data" else {"fsdp": world}
-            run = Run(make_cfg(cfg_small, mesh))
+            run = Run(dataclasses.replace(make_cfg(cfg_small, mesh), compile=compile_))
             data_run = data_run or run
             params, opt = run.fresh_state()
             st = {"p": params, "o": opt}
@@ -209,7 +215,7 @@ def _variants(cfg_small: bool, world: int, which):
         else:
             cfg = make_cfg(cfg_small, {"data": world})  # batch and schedule as data=N
             data_run = data_run or Run(cfg)
-            base, sb = _baseline(cfg, "ddp" if name == "DDP" else "fsdp2")
+            base, sb = _baseline(cfg, "ddp" if name == "DDP" else "fsdp2", compile_)
             rank = dist.get_rank()
             per = cfg.batch_size // world
             rows = range(rank * per, (rank + 1) * per)  # the rows shmap's data=N / fsdp=N read here
@@ -228,7 +234,7 @@ def _allocator():
         keep_freed_memory()
 
 
-def gloo_worker(small, warmup, repeats, threads, names):
+def gloo_worker(small, warmup, repeats, threads, names, compile_=False):
     import warnings
 
     import torch.distributed as dist
@@ -237,7 +243,7 @@ def gloo_worker(small, warmup, repeats, threads, names):
     torch.set_num_threads(threads)
     _allocator()
     world = dist.get_world_size()
-    variants = _variants(small, world, names)
+    variants = _variants(small, world, names, compile_)
     times = {n: [] for n in names}
     cpu = {n: [] for n in names}
     losses = {n: [] for n in names}
@@ -314,6 +320,9 @@ def main():
                     help="shmap's per-collective signature checks off on gloo (SHMAP_CHECK_COLLECTIVES=0; default on)")
     ap.add_argument("--no-memory", action="store_true", help="skip part 3's fresh-process RSS runs")
     ap.add_argument("--skip-sim", action="store_true", help="skip part 1")
+    ap.add_argument("--compile", action="store_true",
+                    help="part 2 with every variant's loss compiled (shmap-train --compile; torch.compile of the "
+                         "DDP / FSDP2 module); the warm-up steps absorb the compilation")
     ap.add_argument("--glibc-default", action="store_true",
                     help="leave glibc's malloc trimming as it is (default: keep freed memory, as shmap-train does)")
     args = ap.parse_args()
@@ -372,6 +381,9 @@ def main():
         print(f"  DDP: DistributedDataParallel; FSDP2: fully_shard at the root (one unit); both torch.optim.Adam "
               f"(foreach default) + clip_grad_norm_({cfg.clip}).")
         print(f"  shmap's collective signature checks: {'off' if args.no_checks else 'on (the default)'}.")
+        if args.compile:
+            print("  --compile: every variant's loss (forward and backward) torch.compile'd (Inductor): shmap-train "
+                  "--compile, torch.compile(DDP module), torch.compile(FSDP2 module); the updates run eagerly.")
         print("  MFU: FLOPs/step / step time / (matmul peak x min(ranks x threads, cores)).  CPU: the main thread's CPU\n"
               "  time in a step (median over ranks and steps): its Python and kernels, not its waits; with more ranks\n"
               "  than cores, it is what sets the throughput.")
@@ -381,7 +393,8 @@ def main():
         print("  " + "-" * (len(head) - 2))
         results = {}
         for w in worlds:
-            res = shmap.spawn(gloo_worker, args.small, args.warmup, args.repeats, args.threads, names, nprocs=w,
+            res = shmap.spawn(gloo_worker, args.small, args.warmup, args.repeats, args.threads, names, args.compile,
+                              nprocs=w,
                               timeout=600, env=env)
             results[w] = res
             tm = res[0]["times"]

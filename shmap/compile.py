@@ -69,8 +69,10 @@ Where this differs from eager (weaker, or slower):
   all_to_all, ppermute or psum_scatter payload over 256 KiB) is checked by
   an exchange that completes before the data moves; eagerly, the default
   mode runs that exchange alongside the data.
-- A backward pass's reductions are not deferred or bucketed
-  (`backends/deferred.py`): each completes where the graph reaches it.
+- A backward pass's reductions (and forward gathers issued back to back)
+  are bucketed as eagerly (`backends/deferred.py`): the same collectives on
+  the wire.  But each bucket's collective completes where the graph launches
+  it; eagerly it is read last, overlapping the rest of the backward pass.
 - A process group for a new axis tuple is created while tracing, before
   any signature check (eagerly: after the first one); the groups of meshes
   of up to 3 axes exist from `make_mesh` on anyway.

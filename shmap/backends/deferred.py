@@ -36,6 +36,19 @@ waits, and the pass runs every later layer's backward meanwhile.  A
 Deferred only where this is plainly safe: eager autograd with grad mode off
 (no double backward, whose graph would have to record the wait), a plain
 tensor (not a functorch or compile wrapper), on torch.distributed.
+
+**Under torch.compile** the same buckets fill.  AOT autograd traces the
+forward and backward passes by running them on functional tensors (a
+`Deferred` wrapping one is just another tensor subclass to it), so the buckets
+fill as they do eagerly, and each bucket's one collective (`traced.py`'s
+functional collective between the guard ops) is recorded in the graph where
+the eager bucket would launch.  There the collective also completes (the graph
+waits for it where it is launched): what the graph gains is the eager bucket
+count, one all_reduce for a small model's gradients instead of one per
+weight, which on gloo was a third of a compiled step (recipe, 2 processes:
+29 all_reduces, 255 ms a step; bucketed, 192 ms).  The backward pass's end
+completes every bucket still open, so no collective of a graph is left
+without its wait.
 """
 from __future__ import annotations
 
@@ -128,8 +141,14 @@ def all_gather(x, g, axis, tiled):
     return _bucket(g, "all_gather", x).add(part, shape, x.dtype, (tuple(x.shape), axis, tiled))
 
 
+def _traced(ct) -> bool:
+    """Whether AOT autograd is tracing this (torch.compile) where the eager call would bucket."""
+    return (not torch.is_grad_enabled() and tracing()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(ct))
+
+
 def _bucketable(ct, g) -> bool:
-    return _deferrable(ct) and g.n > 1 and g.shm(ct) is None
+    return (_deferrable(ct) or _traced(ct)) and g.n > 1 and g.shm(ct) is None
 
 
 def _bucket(g, kind, ct):
@@ -160,8 +179,11 @@ class Bucket:
         self.parts, self.nbytes, self.starts, self.gathered = [], 0, [0], []
         self.flight = self.result = self.value = None
         self.cap = _OPTIONS["bucket_bytes"]
-        try:  # launch at the end of this backward pass at the latest (nobody may read some values)
-            torch.autograd.Variable._execution_engine.queue_callback(self.launch)
+        # Launch at the end of this backward pass at the latest (nobody may read some values); under
+        # tracing also wait there, so the graph has no collective without its wait.
+        end = self.complete if tracing() else self.launch
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(end)
         except RuntimeError:  # not inside a backward pass: the first read launches
             return
         if kind != "all_gather":
@@ -199,12 +221,16 @@ class Bucket:
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             self.flight, self.result = _launch_psum_scatter(rows, self.g, 0, False)
 
-    def read(self, i, shape):
+    def complete(self):
+        """Launch if still filling, and wait for the collective (once)."""
         self.launch()
         if self.value is None:
             if self.flight is not None:
                 self.flight.finish()
             self.value, self.flight, self.result = self.result(), None, None
+
+    def read(self, i, shape):
+        self.complete()
         if self.kind == "all_gather":  # [n, total] -> this part's rows, laid out as its all_gather's result
             block, axis, tiled = self.gathered[i]
             t = self.value[:, self.starts[i]:self.starts[i + 1]].reshape(self.g.n, *block).movedim(0, axis)

@@ -134,8 +134,8 @@ def psum(x, g, kind="psum"):
 
 def all_gather(x, g, axis, tiled, kind="all_gather"):
     """all_gather (or all_gather_invariant, `kind`) of `x` over group `g` (`shmap::all_gather`)."""
-    if tracing():
-        return _all_gather(x, g, axis, tiled, kind)
+    if tracing():  # (gathers back to back share buckets in a graph too)
+        return deferred.all_gather(x, g, axis, tiled) if kind == "all_gather" else _all_gather(x, g, axis, tiled, kind)
     return _OPS.all_gather.default(x, group_id(g), axis, tiled, kind)
 
 

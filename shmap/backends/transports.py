@@ -267,6 +267,9 @@ def _gather_rows(x, g: Group, kind, extra=""):
 
 def _launch_gather_rows(x, g: Group, kind, extra=""):
     """As `_gather_rows`, launched: (the collective in flight or None, its result once finished)."""
+    if tracing():  # torch.compile: complete at once (traced.py)
+        out = traced.gather_rows(x, g, kind, extra)
+        return None, lambda: out
     x = x.contiguous()
     if g.n == 1:
         out = x.unsqueeze(0).clone()

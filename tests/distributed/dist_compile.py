@@ -111,6 +111,84 @@ def collectives():
 
 
 # --------------------------------------------------------------------------
+# The backward's reductions bucketed in the graph, as eagerly
+# --------------------------------------------------------------------------
+def _gloo_ops(fn):
+    """{gloo operation: count} of one call of `fn`, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key[5:]: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
+
+
+def bucketed():
+    """Six replicated weights (DP: each gradient's psum) and two sharded ones (FSDP: gathered ahead of use;
+    each gradient a psum_scatter): the compiled graphs move them in one all_gather (forward), one
+    all_reduce and one reduce_scatter (backward), as the eager buckets do, not one collective per weight;
+    values and comm_log equal eager's."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(ws, vs, x):
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)
+        for v in [shmap.all_gather(v, "i", tiled=True) for v in vs]:  # gathered ahead, as the recipe does
+            h = torch.tanh(h @ v)
+        return shmap.psum((h * h).sum(), "i")
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=([P()] * 6, [P("i")] * 2, P("i")), out_specs=P())
+    g = torch.Generator().manual_seed(3)
+    ws = [0.3 * torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(8)]
+    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        leaves = [w.detach().requires_grad_() for w in ws]
+        with shmap.comm_log() as log:
+            out = fn(leaves[:6], leaves[6:], x)
+            grads = torch.autograd.grad(out, leaves)
+        return [_value(out).detach()], list(grads), log.events
+
+    want = run(f)
+    graphs = []
+    cf = torch.compile(f, fullgraph=True, backend=_capturing(graphs))
+    bad = _same("bucketed", run(cf), want)
+    eager_ops, compiled_ops = _gloo_ops(lambda: run(f)), _gloo_ops(lambda: run(cf))
+    if compiled_ops != eager_ops:
+        bad.append(f"bucketed: the compiled call's gloo operations {compiled_ops} differ from eager's {eager_ops}")
+    forward, backward = graphs if len(graphs) == 2 else ("", "")
+    ops = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
+    counts = [{op: g.count(f"_c10d_functional.{op}.default") for op in ops} for g in (forward, backward)]
+    want_counts = [{"all_gather_into_tensor": 1, "all_reduce": 1, "reduce_scatter_tensor": 0},  # + the loss's psum
+                   {"all_gather_into_tensor": 2, "all_reduce": 1, "reduce_scatter_tensor": 1}]
+    # (the backward's two all_gathers assemble the gradients of the sharded weights, passed as plain global
+    # tensors: the boundary's traffic, one per input, not the program's collectives)
+    if counts != want_counts:
+        bad.append(f"bucketed: the (forward, backward) graphs have {counts} collectives, expected {want_counts} "
+                   f"(the 2 gathers, the 6 psums and the 2 psum_scatters bucketed); {len(graphs)} graphs")
+    if sum(e.kind == "psum" for e in want[2]) != 7:  # comm_log: the program's collectives, not the buckets
+        bad.append(f"bucketed: eager comm_log {want[2]}")
+    return bad
+
+
+def gathered_outputs():
+    """Gathers in one bucket whose values leave the body as they are (one directly, one through an op),
+    with and without autograd: compiled equals eager (a bucketed value is read even when no op in the
+    body reads it)."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda v, u: (shmap.all_gather(v, "i", tiled=True), shmap.all_gather(u, "i", tiled=True) * 2),
+                        mesh=mesh, in_specs=(P("i"), P("i")), out_specs=(P("i"), P("i")))
+    args = [torch.arange(8.0, dtype=torch.float64), torch.arange(8.0, dtype=torch.float64) + 10]
+    bad = _same("gathered outputs", _run(torch.compile(f, fullgraph=True, backend="aot_eager"), args), _run(f, args))
+    with torch.no_grad():
+        want = [_value(t) for t in f(*args)]
+        got = [_value(t) for t in torch.compile(f, fullgraph=True, backend="aot_eager")(*args)]
+    if not all(torch.equal(a, b) for a, b in zip(got, want)):
+        bad.append(f"gathered outputs (no grad): {got} vs {want}")
+    return bad
+
+
+# --------------------------------------------------------------------------
 # A training step: loss, torch.autograd.grad, an Adam update, in one graph
 # --------------------------------------------------------------------------
 def _loss(mesh):
@@ -265,7 +343,7 @@ def recipe(mesh="fsdp=2", steps=1):
     return []
 
 
-CASES = {"collectives": collectives, "plain step": lambda: training_step(False),
+CASES = {"collectives": collectives, "bucketed": bucketed, "gathered outputs": gathered_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
          "recipe": recipe}
 
