@@ -394,8 +394,7 @@ def main():
         results = {}
         for w in worlds:
             res = shmap.spawn(gloo_worker, args.small, args.warmup, args.repeats, args.threads, names, args.compile,
-                              nprocs=w,
-                              timeout=600, env=env)
+                              nprocs=w, timeout=600, env=env)
             results[w] = res
             tm = res[0]["times"]
             cores = min(w * args.threads, os.cpu_count())
