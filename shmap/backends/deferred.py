@@ -46,8 +46,8 @@ the eager bucket would launch.  There the collective also completes (the graph
 waits for it where it is launched): what the graph gains is the eager bucket
 count, one all_reduce for a small model's gradients instead of one per
 weight, which on gloo was a third of a compiled step (recipe, 2 processes:
-29 all_reduces, 255 ms a step; bucketed, 192 ms).  The backward pass's end
-completes every bucket still open, so no collective of a graph is left
+29 all_reduces, 255 ms a step; bucketed, 192 ms).  Since a traced launch
+completes, a bucket the pass's end launches leaves no collective of the graph
 without its wait.
 """
 from __future__ import annotations
@@ -179,11 +179,8 @@ class Bucket:
         self.parts, self.nbytes, self.starts, self.gathered = [], 0, [0], []
         self.flight = self.result = self.value = None
         self.cap = _OPTIONS["bucket_bytes"]
-        # Launch at the end of this backward pass at the latest (nobody may read some values); under
-        # tracing also wait there, so the graph has no collective without its wait.
-        end = self.complete if tracing() else self.launch
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(end)
+        try:  # launch at the end of this backward pass at the latest (nobody may read some values)
+            torch.autograd.Variable._execution_engine.queue_callback(self.launch)
         except RuntimeError:  # not inside a backward pass: the first read launches
             return
         if kind != "all_gather":
@@ -221,16 +218,12 @@ class Bucket:
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             self.flight, self.result = _launch_psum_scatter(rows, self.g, 0, False)
 
-    def complete(self):
-        """Launch if still filling, and wait for the collective (once)."""
+    def read(self, i, shape):
         self.launch()
         if self.value is None:
             if self.flight is not None:
                 self.flight.finish()
             self.value, self.flight, self.result = self.result(), None, None
-
-    def read(self, i, shape):
-        self.complete()
         if self.kind == "all_gather":  # [n, total] -> this part's rows, laid out as its all_gather's result
             block, axis, tiled = self.gathered[i]
             t = self.value[:, self.starts[i]:self.starts[i + 1]].reshape(self.g.n, *block).movedim(0, axis)

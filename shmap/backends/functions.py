@@ -22,8 +22,9 @@ per-example shape in the same way; nested vmaps pass the tuple on.
 
 An ordinary backward pass (grad mode off, plain tensors) keeps its fast
 path: the transposes of pvary and all_gather are deferred and bucketed
-(`deferred.py`); so is one that AOT autograd traces (torch.compile).  Under `torch.func` or `create_graph` the transpose is the
-Function, which a further derivative or vmap transforms again.
+(`deferred.py`); so is one that AOT autograd traces (torch.compile).  Under
+`torch.func` or `create_graph` the transpose is the Function, which a
+further derivative or vmap transforms again.
 """
 from __future__ import annotations
 

@@ -70,10 +70,14 @@ def _psum_kernel(x, group, kind):
     return _all_reduce(x, _GROUPS[group], kind)
 
 
-def _all_gather_kernel(x, group, axis, tiled, kind):
+def _gather(x, g, axis, tiled, kind):
     if kind == "all_gather":  # gathers issued back to back share buckets (FSDP's forward; see deferred.py)
-        return deferred.all_gather(x, _GROUPS[group], axis, tiled)
-    return _all_gather(x, _GROUPS[group], axis, tiled, kind)
+        return deferred.all_gather(x, g, axis, tiled)
+    return _all_gather(x, g, axis, tiled, kind)
+
+
+def _all_gather_kernel(x, group, axis, tiled, kind):
+    return _gather(x, _GROUPS[group], axis, tiled, kind)
 
 
 def _psum_scatter_kernel(x, group, dim, tiled):
@@ -135,7 +139,7 @@ def psum(x, g, kind="psum"):
 def all_gather(x, g, axis, tiled, kind="all_gather"):
     """all_gather (or all_gather_invariant, `kind`) of `x` over group `g` (`shmap::all_gather`)."""
     if tracing():  # (gathers back to back share buckets in a graph too)
-        return deferred.all_gather(x, g, axis, tiled) if kind == "all_gather" else _all_gather(x, g, axis, tiled, kind)
+        return _gather(x, g, axis, tiled, kind)
     return _OPS.all_gather.default(x, group_id(g), axis, tiled, kind)
 
 

@@ -257,8 +257,6 @@ def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
 
 def _gather_rows(x, g: Group, kind, extra=""):
     """[n, *x.shape]: every position's block, in the tuple's order."""
-    if tracing():  # torch.compile: functional collectives (traced.py)
-        return traced.gather_rows(x, g, kind, extra)
     flight, result = _launch_gather_rows(x, g, kind, extra)
     if flight is not None:
         flight.finish()
@@ -267,7 +265,7 @@ def _gather_rows(x, g: Group, kind, extra=""):
 
 def _launch_gather_rows(x, g: Group, kind, extra=""):
     """As `_gather_rows`, launched: (the collective in flight or None, its result once finished)."""
-    if tracing():  # torch.compile: complete at once (traced.py)
+    if tracing():  # torch.compile: functional collectives (traced.py), complete at once
         out = traced.gather_rows(x, g, kind, extra)
         return None, lambda: out
     x = x.contiguous()
