@@ -7,7 +7,13 @@ Instead every shard_mapped function is `allow_in_graph`: Dynamo puts the
 call in its graph as one node, and AOT autograd traces *through* it (the body
 runs once, on fake tensors, producing the physical ops: batched matmuls,
 sums over device dims), so Inductor compiles the per-device program together
-with the code around it, forward and backward.  Each collective's
+with the code around it, forward and backward (`graph_call`; `pmap` is one
+node the same way).  The node returns the output's leaves (a graph node may
+return tensors and tuples or lists of them, not dicts); the containers the
+body returned (dicts, namedtuples, ...) are rebuilt around it by Python that
+Dynamo traces, from a skeleton of constants read once the node has run on
+fake tensors (`spec_tree.skeleton`).  Dict arguments reach the node as
+torch.fx's immutable dicts; the body gets plain ones.  Each collective's
 `comm_log` report is the ordered effectful op `shmap::record` (see `ops.py`),
 so a compiled call reports the same events as an eager one.
 
@@ -126,6 +132,54 @@ def register(fn):
         _PENDING.add(fn)
         _install_hook()
     return fn
+
+
+def graph_call(call, name):
+    """-> `traced(*args, **kwargs)`: `call` as one node of Dynamo's graph, for use while Dynamo traces.
+
+    The node (`allow_in_graph`, named `name` so that each mapped function
+    has its own code) returns the output's leaves: a graph node may return
+    tensors and tuples or lists of them, not dicts.  The containers come back
+    as constants (`spec_tree.skeleton`), read by `out_skeleton` (Dynamo's
+    `assume_constant_result`) right after the node has run on fake tensors,
+    and `traced` rebuilds them in Python that Dynamo traces.  A `device_mesh`
+    keyword is a graph input only (see the module docstring).
+    """
+    from .spec_tree import flat_leaves, from_skeleton, skeleton
+
+    last, types = [None], {}
+
+    def node(*args, device_mesh=None, **kwargs):
+        out = call(*_mutable(args), **_mutable(kwargs))
+        last[0] = skeleton(out, types)
+        return flat_leaves(out)
+
+    def out_skeleton():
+        return last[0]
+
+    def traced(*args, **kwargs):
+        leaves = node(*args, **kwargs)  # first: its fake run sets the skeleton
+        return from_skeleton(out_skeleton(), leaves, types)
+
+    out_skeleton._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, unimported
+    node.__code__ = node.__code__.replace(co_name=name)
+    traced.__code__ = traced.__code__.replace(co_name=f"{name}_traced")
+    register(node)
+    return traced
+
+
+def _mutable(tree):
+    """`tree` with torch.fx's immutable dicts and lists (how Dynamo passes a node its containers) made
+    plain again: pytree libraries take the immutable ones for leaves."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if isinstance(tree, immutable_dict) or type(tree) is dict:
+        return {k: _mutable(v) for k, v in tree.items()}
+    if isinstance(tree, (immutable_list, list)):
+        return [_mutable(v) for v in tree]
+    if type(tree) is tuple:
+        return tuple(_mutable(v) for v in tree)
+    return tree
 
 
 def _dynamo_ready() -> bool:

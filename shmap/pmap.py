@@ -27,6 +27,7 @@ import optree
 import torch
 
 from . import context
+from .compile import graph_call
 from .errors import SpecError, VmaError
 from .mesh import Mesh, P, make_mesh
 from .tensor import vma
@@ -80,9 +81,17 @@ def pmap(fun=None, axis_name=None, *, in_axes=0, out_axes=0, static_broadcasted_
 
     @functools.wraps(fun)
     def mapped(*args, **kwargs):
+        if torch.compiler.is_compiling():  # Dynamo is tracing: one node of its graph (compile.py)
+            return traced(*args, **kwargs)
         return _pmap_call(cfg, args, kwargs)
 
+    n = next(_fresh_node)
+    traced = graph_call(lambda *a, **k: _pmap_call(cfg, a, k), f"pmap_{n}")
+    mapped.__code__ = mapped.__code__.replace(co_name=f"pmapped_{n}")
     return mapped
+
+
+_fresh_node = itertools.count()
 
 
 def _static_argnums(s):

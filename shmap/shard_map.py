@@ -21,7 +21,7 @@ import torch
 
 from . import context, foreach, nesting, special  # noqa: F401  (special, foreach: fill tensor._SPECIAL before any body runs)
 from .backends import for_mesh
-from .compile import register as register_for_compile
+from .compile import graph_call
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
 from .spec_tree import cached_match, freeze
@@ -70,25 +70,24 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
                 "describe positional arguments only. Fix: pass them positionally, or bind static ones "
                 "with functools.partial before shard_map."
             )
-        if mesh.is_distributed:  # torch.compile: the DeviceMesh is an input of the graph (compile.py)
-            return run(*args, device_mesh=mesh.device_mesh)
+        if torch.compiler.is_compiling():  # Dynamo is tracing: one node of its graph (compile.py)
+            return traced(*args, device_mesh=mesh.device_mesh if mesh.is_distributed else None)
         return run(*args)
 
-    # torch.compile: Dynamo traces `mapped` (also when it is the compiled function itself) and
-    # puts `run` in its graph as one node, which AOT autograd traces through (see compile.py).
     in_specs, out_specs = freeze(in_specs), freeze(out_specs)
     plans = ({}, {})  # the spec trees' matches, per argument / output structure (spec_tree.cached_match)
 
-    def run(*args, device_mesh=None):
+    def run(*args):
         return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args,
                      default_axes=axis_names is None, plans=plans)
 
-    # Dynamo guards a closure by its code object: each shard_map gets its own, so a graph
-    # compiled for one is never reused for another.
+    # torch.compile: Dynamo traces `mapped` (also when it is the compiled function itself) and puts
+    # `run` in its graph as one node, which AOT autograd traces through; on a distributed mesh the
+    # DeviceMesh is an input of the node (compile.py).  Dynamo guards a closure by its code object:
+    # each shard_map gets its own, so a graph compiled for one is never reused for another.
     n = next(_COUNTER)
-    run.__code__ = run.__code__.replace(co_name=f"shard_map_{n}")
+    traced = graph_call(run, f"shard_map_{n}")
     mapped.__code__ = mapped.__code__.replace(co_name=f"mapped_{n}")
-    register_for_compile(run)
     return mapped
 
 

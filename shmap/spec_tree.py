@@ -123,11 +123,65 @@ def _rebuild_leafspec(value, it):
 
 
 def _rebuild_container(orig, keys, new):
-    if isinstance(orig, dict):
-        return type(orig)(zip(keys, new)) if type(orig) is dict else type(orig)(dict(zip(keys, new)))
-    if isinstance(orig, tuple) and hasattr(orig, "_fields"):
-        return type(orig)(*new)
-    return type(orig)(new)
+    return _make(type(orig), keys, new)
+
+
+def _make(typ, keys, new):
+    if issubclass(typ, dict):
+        return typ(zip(keys, new)) if typ is dict else typ(dict(zip(keys, new)))
+    if issubclass(typ, tuple) and hasattr(typ, "_fields"):
+        return typ(*new)
+    return typ(new)
+
+
+# --------------------------------------------------------------------------
+# Skeletons: an output tree as flat leaves plus Python constants (torch.compile)
+# --------------------------------------------------------------------------
+def skeleton(tree, types):
+    """`tree`'s containers as nested constants: None for a leaf, else (type code, keys, children).
+
+    Dynamo's graph node for a shard_mapped call may return tensors and tuples
+    or lists of them (a dict output is a graph break), so the node returns
+    `flat_leaves(out)` and the caller gets the containers back from
+    `from_skeleton`, plain Python that Dynamo traces.  The skeleton reaches
+    Dynamo as an unguarded constant, which may hold strings and numbers but
+    no class objects: `types` (one dict per shard_mapped function, code ->
+    container type) holds those, and Dynamo reads it with guards.
+    """
+    c = _children(tree)
+    if c is None:
+        return None
+    _, keys, children = c
+    typ = type(tree)
+    code = next((k for k, t in types.items() if t is typ), None)
+    if code is None:
+        code = len(types)
+        types[code] = typ
+    return code, tuple(keys), tuple(skeleton(x, types) for x in children)
+
+
+def flat_leaves(tree, out=None):
+    """The leaves of `tree` in `skeleton`'s order, as a tuple."""
+    out = [] if out is None else out
+    c = _children(tree)
+    if c is None:
+        out.append(tree)
+    else:
+        for x in c[2]:
+            flat_leaves(x, out)
+    return tuple(out)
+
+
+def from_skeleton(skel, leaves, types):
+    """The inverse of (`skeleton`, `flat_leaves`)."""
+    return _from_skeleton(skel, iter(leaves), types)
+
+
+def _from_skeleton(skel, it, types):
+    if skel is None:
+        return next(it)
+    code, keys, children = skel
+    return _make(types[code], keys, [_from_skeleton(c, it, types) for c in children])
 
 
 # --------------------------------------------------------------------------

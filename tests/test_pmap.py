@@ -201,6 +201,37 @@ def test_pytree_in_axes_kwargs_and_static_args():
     assert seen == [("tag", 3)]
 
 
+def test_pmap_under_torch_compile_is_one_graph():
+    """A pmap call is one node of Dynamo's graph, as a shard_mapped call is (compile.py): fullgraph=True
+    with dicts in and out, a keyword argument, a static argument and a nested pmap; values,
+    gradients and comm_log equal eager's."""
+    import torch._dynamo.testing
+
+    def body(d, scale, *, k):
+        inner = shmap.pmap(lambda r: shmap.psum(r, "j") * scale, "j")(d["x"])  # nested over dim 1
+        return {"a": shmap.pmean(inner.sum(-1), "i"), "b": d["x"] * k}
+
+    f = shmap.pmap(body, "i", in_axes=({"x": 0}, None), out_axes={"a": None, "b": 0},
+                   static_broadcasted_argnums=(1,))
+    x, k = torch.randn(4, 2, 3, dtype=torch.float64), torch.randn(4, 1, 1, dtype=torch.float64)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    cf = torch.compile(f, fullgraph=True, backend=counter)
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        with shmap.comm_log() as log:
+            out = fn({"x": xx}, 2.0, k=k)
+            (gx,) = torch.autograd.grad(out["a"].sum() + (out["b"] ** 2).sum(), xx)
+        return out, gx, log.events
+
+    want, got = run(f), run(cf)
+    assert type(got[0]) is dict and list(got[0]) == ["a", "b"]
+    for a, b in zip([got[0]["a"], got[0]["b"], got[1]], [want[0]["a"], want[0]["b"], want[1]]):
+        torch.testing.assert_close(a, b)
+    assert got[2] == want[2]
+    assert counter.frame_count == 1
+
+
 def test_decorator_forms_and_anonymous_axis():
     @shmap.pmap
     def double(x):

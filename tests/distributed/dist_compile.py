@@ -13,6 +13,7 @@ import functools
 import time
 import traceback
 
+import optree
 import torch
 
 import shmap
@@ -188,6 +189,30 @@ def gathered_outputs():
     return bad
 
 
+def pytree_outputs():
+    """DTensor arguments in dicts and dict outputs, as the recipe's update takes and returns them,
+    under no_grad: one graph (fullgraph=True), equal to eager.  A dict output used to be a graph
+    break, after which Dynamo ran the call's Python and it failed on DTensor arguments."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda p, o, k, lr: ({n: v - lr * o["mu"][n] for n, v in p.items()},
+                                             {"mu": {n: v * k for n, v in o["mu"].items()}}),
+                        mesh=mesh, in_specs=({"a": P(), "b": P("i")}, {"mu": {"a": P(), "b": P("i")}}, None, None),
+                        out_specs=({"a": P(), "b": P("i")}, {"mu": {"a": P(), "b": P("i")}}))
+    g = torch.Generator().manual_seed(2)
+    put = lambda x, s: shmap.device_put(x, mesh, s)  # noqa: E731
+    p = {"a": put(torch.randn(3, generator=g), P()), "b": put(torch.randn(4, generator=g), P("i"))}
+    o = {"mu": {"a": put(torch.randn(3, generator=g), P()), "b": put(torch.randn(4, generator=g), P("i"))}}
+    with torch.no_grad():
+        want = f(p, o, 2, 0.5)
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(p, o, 2, 0.5)
+    if type(got[0]) is not dict or list(got[1]["mu"]) != ["a", "b"]:
+        return [f"pytree outputs: containers {got}"]
+    flat = lambda t: [_value(x) for x in optree.tree_leaves(t)]  # noqa: E731
+    if not all(torch.equal(a, b) for a, b in zip(flat(got), flat(want))):
+        return [f"pytree outputs: {got} vs {want}"]
+    return []
+
+
 # --------------------------------------------------------------------------
 # A training step: loss, torch.autograd.grad, an Adam update, in one graph
 # --------------------------------------------------------------------------
@@ -343,7 +368,8 @@ def recipe(mesh="fsdp=2", steps=1):
     return []
 
 
-CASES = {"collectives": collectives, "bucketed": bucketed, "gathered outputs": gathered_outputs, "plain step": lambda: training_step(False),
+CASES = {"collectives": collectives, "bucketed": bucketed, "gathered outputs": gathered_outputs,
+         "pytree outputs": pytree_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
          "recipe": recipe}
 
