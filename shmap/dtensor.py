@@ -149,7 +149,7 @@ def local_block(x, mesh: Mesh, spec: PartitionSpec):
     """
     pls = placements(mesh, spec)
     s = x._spec
-    if s.mesh is not mesh.device_mesh or s.placements != pls:
+    if s.mesh is not mesh.device_mesh or (s.placements is not pls and s.placements != pls):
         from .backends.distributed import check_dtensor_layout
 
         check_dtensor_layout(x, mesh, spec, pls)
@@ -179,9 +179,7 @@ class _ToBlock(_Function):
         if g is None:
             return None, None, None
         if not torch.is_grad_enabled() and g.is_contiguous():
-            from torch.distributed.tensor import DTensor
-
-            return DTensor(g, _dtensor_spec(ctx.mesh, ctx.spec, ctx.shape, g.dtype), requires_grad=False), None, None
+            return new_dtensor(g, _dtensor_spec(ctx.mesh, ctx.spec, ctx.shape, g.dtype)), None, None
         # A graph of the backward (create_graph) or a strided cotangent: DTensor's own, differentiable path.
         from torch.distributed.tensor._utils import compute_global_tensor_info
 
@@ -190,6 +188,25 @@ class _ToBlock(_Function):
 
         return DTensor.from_local(g, ctx.mesh.device_mesh, placements(ctx.mesh, ctx.spec), run_check=False,
                                   shape=torch.Size(ctx.shape), stride=tuple(stride)), None, None
+
+
+def new_dtensor(local, dspec, requires_grad=False):
+    """`DTensor(local, dspec, requires_grad=...)` without `DTensor.__init__`.
+
+    The constructor is `DTensor.__new__` (C); `__init__` only calls
+    `Tensor.__init__`, but through two Python wrappers (Dynamo's disable and
+    export's marker) that cost more than the constructor, at every output of
+    every call.  (shmap never lets Dynamo trace this: a shard_mapped call is
+    one graph node.)
+    """
+    cls = is_dtensor_type()
+    return cls.__new__(cls, local, dspec, requires_grad=requires_grad)
+
+
+def is_dtensor_type():
+    """The DTensor class (imported once)."""
+    is_dtensor(None)
+    return _DTENSOR[0]
 
 
 def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
@@ -202,12 +219,12 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     with it `_FromBlock`.  A pending sum (`Partial`, whose cotangent is
     placed differently) keeps DTensor's own path.
     """
-    from torch.distributed.tensor import DTensor
-
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
     grad = torch.is_grad_enabled() and block.requires_grad
     if (spec.unreduced and grad) or not all(type(s) is int for s in logical_shape):
         # A pending sum with a gradient, or symbolic sizes (torch.compile's dynamic shapes): DTensor's path.
+        from torch.distributed.tensor import DTensor
+
         shape = global_shape(logical_shape, mesh, spec)
         return DTensor.from_local(block, mesh.device_mesh, placements(mesh, spec), run_check=False,
                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
@@ -219,7 +236,7 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
         if len(_BLOCK_SPECS) >= 4096:
             _BLOCK_SPECS.clear()
     if not grad:
-        return DTensor(block.view_as(block), got[1], requires_grad=False)
+        return new_dtensor(block.view_as(block), got[1])
     return _FromBlock.apply(block, got[1])
 
 
@@ -233,9 +250,7 @@ class _FromBlock(_Function):
 
     @staticmethod
     def forward(block, dspec):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor(block.view_as(block), dspec, requires_grad=block.requires_grad)
+        return new_dtensor(block.view_as(block), dspec, block.requires_grad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -25,7 +25,7 @@ class PartitionSpec:
     pytree of `in_specs`.
     """
 
-    __slots__ = ("_entries", "_dims", "_axes", "_hash", "unreduced")
+    __slots__ = ("_entries", "_dims", "_axes", "_axis_set", "_trimmed", "_hash", "unreduced")
 
     def __init__(self, *entries, unreduced=frozenset()):
         norm = []
@@ -43,12 +43,14 @@ class PartitionSpec:
             () if e is None else (e if isinstance(e, tuple) else (e,)) for e in self._entries
         )
         self._axes = tuple(a for d in self._dims for a in d)
+        self._axis_set = frozenset(self._axes)
         trimmed = list(self._entries)
         while trimmed and trimmed[-1] is None:
             trimmed.pop()
         #: mesh axes along which the value is a pending sum (JAX's `unreduced`)
         self.unreduced = frozenset({unreduced} if isinstance(unreduced, str) else unreduced)
-        self._hash = hash((tuple(trimmed), self.unreduced))
+        self._trimmed = tuple(trimmed)  # equality ignores trailing Nones
+        self._hash = hash((self._trimmed, self.unreduced))
 
     def __iter__(self):
         return iter(self._entries)
@@ -60,14 +62,11 @@ class PartitionSpec:
         return self._entries[i]
 
     def __eq__(self, other):
+        if other is self:
+            return True
         if not isinstance(other, PartitionSpec):
             return NotImplemented
-        a, b = list(self._entries), list(other._entries)
-        while a and a[-1] is None:
-            a.pop()
-        while b and b[-1] is None:
-            b.pop()
-        return a == b and self.unreduced == other.unreduced
+        return self._trimmed == other._trimmed and self.unreduced == other.unreduced
 
     def __hash__(self):
         return self._hash
@@ -85,6 +84,10 @@ class PartitionSpec:
     def axes(self) -> tuple[AxisName, ...]:
         """Every mesh axis the spec mentions, in order of appearance."""
         return self._axes
+
+    def axis_set(self) -> frozenset:
+        """`axes()` as a frozenset (the boundary's type checks compare it with value types)."""
+        return self._axis_set
 
 
 P = PartitionSpec

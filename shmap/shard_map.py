@@ -134,8 +134,7 @@ def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, 
         if spec is None:
             values.append(value)
             continue
-        what = f"argument {arg}" + (f" ({params[arg]!r})" if arg is not None and arg < len(params) else "")
-        values.append(_enter(path, value, spec, body, mesh, fname, what))
+        values.append(_enter(path, value, spec, body, mesh, fname, _Argument(arg, params)))
     body_args = rebuild_in(values)
 
     stack = context.stack()
@@ -153,23 +152,27 @@ def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, 
 # --------------------------------------------------------------------------
 # Spec validation
 # --------------------------------------------------------------------------
-_VALIDATED: set = set()
+_VALIDATED: dict = {}
 
 
 def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
-    """Validate `spec` for a value of `shape`; a success is remembered (specs are immutable).
+    """Validate `spec` for a value of `shape`; a success is remembered (specs and meshes are immutable).
 
-    Keyed on the exact entries: `P('x', None) == P('x')`, but only the short one fits a rank-1 value.
+    Keyed on the spec and mesh objects themselves (by identity, held by the
+    entry so that their ids stay theirs), not on equality: `P('x', None) ==
+    P('x')`, but only the short one fits a rank-1 value.  The boundary asks at
+    every leaf of every call, so a hit is one dict lookup.
     """
-    if not all(type(s) is int for s in shape):  # symbolic sizes (torch.compile dynamic shapes)
-        return _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
-    exact = (tuple(spec), spec.unreduced) if isinstance(spec, PartitionSpec) else spec
-    key = (exact, tuple(shape), mesh.axis_names, mesh.axis_sizes, manual, split)
-    if key in _VALIDATED:
+    key = (id(spec), shape, id(mesh), manual, split)
+    try:
+        got = _VALIDATED.get(key)
+    except TypeError:  # symbolic sizes (torch.compile's dynamic shapes) do not hash
+        got = None
+    if got is not None and got[0] is spec and got[1] is mesh:
         return
     _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
-    if len(_VALIDATED) < 65536:
-        _VALIDATED.add(key)
+    if all(type(s) is int for s in shape) and len(_VALIDATED) < 65536:
+        _VALIDATED[key] = (spec, mesh)
 
 
 def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split):
@@ -267,16 +270,35 @@ def _enter(path, value, spec, body, mesh, fname, what):
     phys, paxes = body.backend.split(value, spec, body)
     phys, paxes, vma_ = body.backend.input_value(phys, paxes, body)
     if caller_tensor:
-        _read_only(body, phys, f"{what} of shard_map({fname}) at {path}", vma_)
+        _read_only(body, phys, _Argument(what.arg, what.params, fname, path), vma_)
     if spec.unreduced:
         if not body.check_vma:
             raise SpecError(f"shard_map({fname}) {path}: unreduced in_specs need check_vma=True.")
         axes = body.order(spec.unreduced)
         phys, paxes = body.backend.unreduced_input(phys, paxes, axes, body)
         if caller_tensor:  # (a fresh tensor on some devices, the caller's on others: read-only on all)
-            _read_only(body, phys, f"{what} of shard_map({fname}) at {path}", vma_ | spec.unreduced)
+            _read_only(body, phys, _Argument(what.arg, what.params, fname, path), vma_ | spec.unreduced)
         return ShTensor(phys, paxes, vma_ | spec.unreduced, body, spec.unreduced)
     return ShTensor(phys, paxes, vma_, body)
+
+
+class _Argument:
+    """An argument leaf as messages name it ("argument 0 ('x')", with `fname`: "argument 0 ('x') of
+    shard_map(f) at in_specs[0]"), formatted only when a message is: the boundary makes one per
+    leaf per call."""
+
+    __slots__ = ("arg", "params", "fname", "path")
+
+    def __init__(self, arg, params, fname=None, path=None):
+        self.arg, self.params, self.fname, self.path = arg, params, fname, path
+
+    def __str__(self):
+        arg, params = self.arg, self.params
+        s = f"argument {arg}" + (f" ({params[arg]!r})" if arg is not None and arg < len(params) else "")
+        return s if self.fname is None else f"{s} of shard_map({self.fname}) at {self.path}"
+
+    def __format__(self, format_spec):
+        return format(str(self), format_spec)
 
 
 def _read_only(body, phys, who, vma_):
@@ -294,34 +316,35 @@ def _exit(path, value, spec, body, mesh, fname):
     if body.parent is not None:  # nested: back to the parent body's layout
         return nesting.exit(path, value, spec, body, mesh, fname)
     x = _output_value(path, value, body, fname)
-    _check_spec(spec, path, x.shape, mesh, body.axes, fname, what="the output", split=False)
-    implicit = spec.unreduced - x._unreduced
-    if implicit and body.check_vma and implicit <= x._vma:
-        # As JAX: a spec unreduced along axes the value varies on makes it a pending sum there (an
-        # implicit pcast(y, axes, to='unreduced')); the output's logical value is the sum over them.
-        x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | implicit)
-    if x._unreduced != spec.unreduced:
-        raise VmaError(_unreduced_mismatch(fname, path, spec, x, body))
-    varying = x._vma - x._unreduced
-    if body.check_vma:
-        named = set(spec.axes())
+    shape = x._phys.shape[len(x._paxes):]  # x.shape, without a trip through __torch_function__
+    _check_spec(spec, path, shape, mesh, body.axes, fname, what="the output", split=False)
+    if spec.unreduced or x._unreduced:
+        implicit = spec.unreduced - x._unreduced
+        if implicit and body.check_vma and implicit <= x._vma:
+            # As JAX: a spec unreduced along axes the value varies on makes it a pending sum there (an
+            # implicit pcast(y, axes, to='unreduced')); the output's logical value is the sum over them.
+            x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | implicit)
+        if x._unreduced != spec.unreduced:
+            raise VmaError(_unreduced_mismatch(fname, path, spec, x, body))
+    varying = x._vma - x._unreduced if x._unreduced else x._vma
+    named = spec.axis_set()
+    if body.check_vma and not varying <= named:
         extra = [a for a in body.axes if a in varying and a not in named]
-        if extra:
-            raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
+        raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
     phys, paxes, vma_ = x._phys, x._paxes, x._vma
     if x._unreduced:
         # The caller gets the logical value: the simulated mesh sums the pending terms here;
         # a distributed backend may hand them over as a Partial DTensor instead.
         phys, paxes = body.backend.unreduced_output(phys, paxes, body.order(x._unreduced), body)
         vma_ = varying
-    if body.check_vma:
-        tiled = body.order(frozenset(a for a in spec.axes() if a not in vma_))
+    if body.check_vma and not named <= vma_:
+        tiled = body.order(named - vma_)
         if tiled:
             # JAX's implicit pvary: an invariant value tiled into a mapped output has
             # per-device cotangents, which its transpose psums.
-            phys, paxes = body.backend.pvary(phys, paxes, tiled, body, x.shape)
+            phys, paxes = body.backend.pvary(phys, paxes, tiled, body, shape)
             vma_ = vma_ | frozenset(tiled)
-    return body.backend.assemble(phys, paxes, spec, body, x.shape)
+    return body.backend.assemble(phys, paxes, spec, body, shape)
 
 
 def _output_value(path, value, body, fname) -> ShTensor:
