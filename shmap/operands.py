@@ -55,7 +55,7 @@ def _operand(api: str, x, axes):
 def _countable(x: ShTensor) -> ShTensor:
     """A sum's operand: booleans become int32 counts, as in JAX's psum (every other dtype is
     summed in its own dtype, integers wrapping, on both meshes)."""
-    if x.dtype == torch.bool:
+    if x._phys.dtype == torch.bool:  # (the block's dtype: x.dtype would go through __torch_function__)
         return x.to(torch.int32)
     return x
 

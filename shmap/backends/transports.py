@@ -240,9 +240,31 @@ def _launch_all_reduce(x, g: Group, kind):
     else:
         op = dist.ReduceOp.SUM if kind == "psum" else dist.ReduceOp.MAX if kind == "pmax" else dist.ReduceOp.MIN
         buf, out, seal = _sealed_reduce(x, wire or head.dtype, g, kind)  # a fresh copy (+ the signature trailer)
-        flight = _start(g, kind, shape, head.dtype,
-                        lambda pg: dist.all_reduce(buf, op=op, group=pg, async_op=True), seal=seal)
+        flight = _start(g, kind, shape, head.dtype, lambda pg: _pg_all_reduce(buf, op, pg), seal=seal)
     return flight, (lambda: out) if wire is None else (lambda: out.to(head.dtype))
+
+
+def _pg_all_reduce(buf, op, pg):
+    """`dist.all_reduce(buf, op, group=pg, async_op=True)`, called on the process group itself.
+
+    What the wrapper adds is done already or does not arise here (one plain
+    tensor of this process's group, no coalescing manager), and its Python (an
+    exception-logging decorator, argument checks, the options object) costs
+    about 10 to 15 us on every psum and gradient bucket: a tenth of a 4 KiB
+    psum's time on gloo.  A complex tensor keeps the wrapper (which moves it
+    as real pairs).
+    """
+    if buf.is_complex():
+        return _dist().all_reduce(buf, op=op, group=pg, async_op=True)
+    opts = _AR_OPTIONS.get(op)
+    if opts is None:  # read by the launch only: one per op serves every call
+        opts = _AR_OPTIONS[op] = _dist().AllreduceOptions()
+        opts.reduceOp = op
+        opts.asyncOp = True
+    return pg.allreduce([buf], opts)
+
+
+_AR_OPTIONS: dict = {}
 
 
 def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):

@@ -127,7 +127,7 @@ def run_cases():
     fails = []
     from shmap.backends import transports
 
-    dist.all_reduce = _counting(dist.all_reduce)
+    dist.ProcessGroup.allreduce = _counting(dist.ProcessGroup.allreduce)  # every all_reduce on the wire
     name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     setattr(dist, name, _counting(getattr(dist, name), _RS))
     transports.InFlight.finish = _counting_finish(transports.InFlight.finish)
@@ -293,8 +293,10 @@ def recipe_step_collectives(mesh_flags):
     from shmap.train import loop
     from tests.train.tiny import tiny
 
-    names = [n for n in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
                          "all_gather_into_tensor") if hasattr(dist, n)]
+    pg_all_reduce = dist.ProcessGroup.allreduce  # (shmap launches all_reduces on the process group)
+    descriptor = dist.ProcessGroup.__dict__["allreduce"]  # (the class attribute itself, to put back)
     out = {}
     for flag in mesh_flags:
         run = loop.Run(tiny(flag))
@@ -307,12 +309,17 @@ def recipe_step_collectives(mesh_flags):
                 calls.append((name, args[0].numel()))
                 return real[name](*args, **kwargs)
             return call
+        def counting_all_reduce(pg, tensors, *args):
+            calls.append(("all_reduce", tensors[0].numel()))
+            return pg_all_reduce(pg, tensors, *args)
         for n in names:
             setattr(dist, n, counting(n))
+        dist.ProcessGroup.allreduce = counting_all_reduce
         try:
             run.step(params, opt, 1)
         finally:
             for n in names:
                 setattr(dist, n, real[n])
+            dist.ProcessGroup.allreduce = descriptor
         out[flag] = calls
     return out
