@@ -158,21 +158,21 @@ _VALIDATED: dict = {}
 def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
     """Validate `spec` for a value of `shape`; a success is remembered (specs and meshes are immutable).
 
-    Keyed on the spec and mesh objects themselves (by identity, held by the
-    entry so that their ids stay theirs), not on equality: `P('x', None) ==
-    P('x')`, but only the short one fits a rank-1 value.  The boundary asks at
-    every leaf of every call, so a hit is one dict lookup.
+    Keyed on the spec object itself (by identity, held by the entry so that its
+    id stays its own), not on equality: `P('x', None) == P('x')`, but only the
+    short one fits a rank-1 value.  The boundary asks at every leaf of every
+    call, so a hit is one dict lookup.
     """
-    key = (id(spec), shape, id(mesh), manual, split)
+    key = (id(spec), shape, mesh.axis_names, mesh.axis_sizes, manual, split)
     try:
         got = _VALIDATED.get(key)
     except TypeError:  # symbolic sizes (torch.compile's dynamic shapes) do not hash
         got = None
-    if got is not None and got[0] is spec and got[1] is mesh:
+    if got is spec:
         return
     _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
     if all(type(s) is int for s in shape) and len(_VALIDATED) < 65536:
-        _VALIDATED[key] = (spec, mesh)
+        _VALIDATED[key] = spec
 
 
 def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split):
