@@ -17,9 +17,10 @@ the same init, the same per-rank rows of the same batches, global-norm
 clipping and `torch.optim.Adam` with the recipe's schedule.  Tokens/s and
 shmap / baseline.  Goal: >= 1.0x.
 
-`--compile`: Part 2 with every variant's loss compiled by Inductor, forward
-and backward (shmap: `shmap-train --compile`; DDP and FSDP2:
-`torch.compile` of the module), the optimizers eager on every side.
+`--compile`: Part 2 with every variant's loss (forward and backward) and
+update (clipping and Adam) compiled by Inductor (shmap: `shmap-train
+--compile`; DDP and FSDP2: `torch.compile` of the module and of
+`clip_grad_norm_` + `Adam.step`, whose learning rate is then a tensor).
 
 Part 3, memory per process: bytes of parameters + Adam state each rank holds
 (`DTensor.to_local()` sizes; exact), and the peak RSS growth over two steps
@@ -172,18 +173,31 @@ def _baseline(cfg: Config, kind: str, compile_: bool = False):
         # One FSDP unit at the root: the recipe's forward is one function over every layer, so
         # per-layer units (whose hooks fire on each submodule's forward) have nothing to hook.
         fully_shard(net, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    run = torch.compile(net) if compile_ else net  # as shmap-train --compile: the loss, forward and backward
+    # --compile, as shmap-train --compile: the loss (forward and backward) and the update (clipping and
+    # Adam) compiled.  A learning rate that changes every step must then be a tensor (a float is a
+    # recompile per step), which foreach Adam takes only with capturable=True.
+    lr = torch.tensor(cfg.lr, dtype=torch.float64) if compile_ else cfg.lr
+    opt = torch.optim.Adam(net.parameters(), lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                           capturable=compile_)
+    run = torch.compile(net) if compile_ else net
+
+    def update():
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.clip)
+        opt.step()
+
+    update_ = torch.compile(update) if compile_ else update
 
     def step(tokens, k):
         opt.zero_grad(set_to_none=True)
         loss = run(tokens)
         loss.backward()
-        if cfg.clip > 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.clip)
         for g in opt.param_groups:
-            g["lr"] = optim.learning_rate(cfg, k)
-        opt.step()
+            if compile_:
+                g["lr"].fill_(optim.learning_rate(cfg, k))
+            else:
+                g["lr"] = optim.learning_rate(cfg, k)
+        update_()
         return loss.detach()
 
     def state_bytes():
@@ -321,8 +335,8 @@ def main():
     ap.add_argument("--no-memory", action="store_true", help="skip part 3's fresh-process RSS runs")
     ap.add_argument("--skip-sim", action="store_true", help="skip part 1")
     ap.add_argument("--compile", action="store_true",
-                    help="part 2 with every variant's loss compiled (shmap-train --compile; torch.compile of the "
-                         "DDP / FSDP2 module); the warm-up steps absorb the compilation")
+                    help="part 2 with every variant's loss and update compiled (shmap-train --compile; torch.compile "
+                         "of the DDP / FSDP2 module and its optimizer step); the warm-up steps absorb the compilation")
     ap.add_argument("--glibc-default", action="store_true",
                     help="leave glibc's malloc trimming as it is (default: keep freed memory, as shmap-train does)")
     args = ap.parse_args()
@@ -382,8 +396,9 @@ def main():
               f"(foreach default) + clip_grad_norm_({cfg.clip}).")
         print(f"  shmap's collective signature checks: {'off' if args.no_checks else 'on (the default)'}.")
         if args.compile:
-            print("  --compile: every variant's loss (forward and backward) torch.compile'd (Inductor): shmap-train "
-                  "--compile, torch.compile(DDP module), torch.compile(FSDP2 module); the updates run eagerly.")
+            print("  --compile: every variant's loss (forward and backward) and update (clipping, Adam) torch.compile'd "
+                  "(Inductor): shmap-train --compile; torch.compile of the DDP / FSDP2 module and of clip_grad_norm_ + "
+                  "Adam.step (capturable=True, a tensor lr).")
         print("  MFU: FLOPs/step / step time / (matmul peak x min(ranks x threads, cores)).  CPU: the main thread's CPU\n"
               "  time in a step (median over ranks and steps): its Python and kernels, not its waits; with more ranks\n"
               "  than cores, it is what sets the throughput.")

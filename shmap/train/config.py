@@ -35,7 +35,7 @@ class Config:
     vocab_size: int = 256  # bytes
     block: str = "prenorm"
     remat: bool = False      # activation checkpointing: recompute each layer in the backward pass
-    compile: bool = False    # torch.compile the loss (forward and backward)
+    compile: bool = False    # torch.compile the loss (forward and backward) and the update
     lr: float = 3e-3
     warmup: int = 100
     min_lr_ratio: float = 0.1
@@ -184,7 +184,7 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--remat", action="store_true",
                    help="activation checkpointing: keep each layer's input, recompute the layer in the backward")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the loss and its backward (the first step pays the compilation)")
+                   help="torch.compile the loss, its backward and the update (the first step pays the compilation)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps, then cosine decay")
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip (0: off)")

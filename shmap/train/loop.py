@@ -62,11 +62,12 @@ class Run:
             opt_specs = {"mu": self.specs, "nu": self.specs}
             self.loss = shmap.shard_map(loss, mesh=self.mesh, in_specs=(self.specs, self.batch_spec),
                                         out_specs=P())
+            scalar = P() if cfg.compile else None  # compiled: tensors (see optim.adam_apply)
             self.update = shmap.shard_map(update, mesh=self.mesh,
-                                          in_specs=(self.specs, self.specs, opt_specs, None, None),
+                                          in_specs=(self.specs, self.specs, opt_specs, scalar, scalar),
                                           out_specs=(self.specs, opt_specs, P()))
-        if cfg.compile:  # forward and backward compiled into one graph pair; the first call compiles
-            self.loss = torch.compile(self.loss)
+        if cfg.compile:  # the loss's forward and backward, and the update: the first calls compile
+            self.loss, self.update = torch.compile(self.loss), torch.compile(self.update)
         self.val = [self._place_batch(b) for b in
                     self.corpus.val_batches(cfg.seed, cfg.eval_batches, cfg.batch_size, self.rows)]
 
@@ -130,9 +131,12 @@ class Run:
         leaves = [p.detach().requires_grad_() for p in leaves]
         loss = self.loss(optree.tree_unflatten(treedef, leaves), self.batch(step))
         grads = optree.tree_unflatten(treedef, list(torch.autograd.grad(loss, leaves)))
+        scalars = optim.adam_scalars(self.cfg, step + 1, optim.learning_rate(self.cfg, step))
+        if self.cfg.compile:  # graph inputs, not constants: one compiled update serves every step
+            scalars = [torch.tensor(s, dtype=torch.float64) for s in scalars]
         with torch.no_grad():
             params, opt, norm = self.update(optree.tree_unflatten(treedef, [p.detach() for p in leaves]),
-                                            grads, opt, step + 1, optim.learning_rate(self.cfg, step))
+                                            grads, opt, *scalars)
         return params, opt, {"train_loss": loss.detach(), "grad_norm": norm}
 
     @torch.no_grad()

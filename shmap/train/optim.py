@@ -36,14 +36,33 @@ def adam_update(cfg: Config, param, grad, mu, nu, count: int, lr: float):
     Adam does; in a body it is typed once per list position (shmap/foreach.py)
     rather than once per tensor and op.
     """
+    return adam_apply(cfg, param, grad, mu, nu, *adam_scalars(cfg, count, lr))
+
+
+def adam_scalars(cfg: Config, count: int, lr: float) -> tuple:
+    """Step `count`'s two scalars, computed on the host in double precision as torch.optim.Adam does:
+    (lr / (1 - beta1^t), sqrt(1 - beta2^t))."""
+    return lr / (1 - cfg.beta1 ** count), math.sqrt(1 - cfg.beta2 ** count)
+
+
+def adam_apply(cfg: Config, param, grad, mu, nu, step_size, bias2_sqrt):
+    """`adam_update` given its scalars (`adam_scalars`): the part that runs on the devices.
+
+    The scalars are Python floats, or 0-d float64 tensors (under torch.compile: a
+    float would be specialised, a recompile per step; a tensor is a graph
+    input).  Both give the same bits on the CPU: a tensor divisor is rounded
+    to the parameters' dtype as a Python one is, and `addcdiv` computes
+    `p + (s * mu) / denom`, which the tensor form spells as a multiply and
+    an `addcdiv` of value 1.
+    """
     if isinstance(param, torch.Tensor):
-        p, m, v = adam_update(cfg, [param], [grad], [mu], [nu], count, lr)
+        p, m, v = adam_apply(cfg, [param], [grad], [mu], [nu], step_size, bias2_sqrt)
         return p[0], m[0], v[0]
     mu = torch._foreach_lerp(mu, grad, 1 - cfg.beta1)
     nu = torch._foreach_addcmul(torch._foreach_mul(nu, cfg.beta2), grad, grad, value=1 - cfg.beta2)
-    step_size = lr / (1 - cfg.beta1 ** count)
-    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), math.sqrt(1 - cfg.beta2 ** count)),
-                               cfg.eps)
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), bias2_sqrt), cfg.eps)
+    if isinstance(step_size, torch.Tensor):
+        return torch._foreach_addcdiv(param, torch._foreach_mul(mu, -step_size), denom), mu, nu
     return torch._foreach_addcdiv(param, mu, denom, value=-step_size), mu, nu
 
 
@@ -77,16 +96,18 @@ def global_norm(grads, specs):
     return torch.sqrt(total)
 
 
-def update(cfg: Config, specs, params, grads, opt, count: int, lr: float):
-    """Clip by the global norm, then Adam on every block this device holds -> (params, opt, grad_norm)."""
+def update(cfg: Config, specs, params, grads, opt, step_size, bias2_sqrt):
+    """Clip by the global norm, then Adam on every block this device holds -> (params, opt, grad_norm).
+
+    The step's scalars come from the host (`adam_scalars`; see `adam_apply`)."""
     norm = global_norm(grads, specs)
     treedef = optree.tree_structure(params)
     grad_list = treedef.flatten_up_to(grads)
     if cfg.clip > 0:
         scale = torch.clamp(cfg.clip / (norm + 1e-6), max=1.0)
         grad_list = torch._foreach_mul(grad_list, scale)
-    new_p, mu, nu = adam_update(cfg, treedef.flatten_up_to(params), grad_list,
-                                treedef.flatten_up_to(opt["mu"]), treedef.flatten_up_to(opt["nu"]), count, lr)
+    new_p, mu, nu = adam_apply(cfg, treedef.flatten_up_to(params), grad_list, treedef.flatten_up_to(opt["mu"]),
+                               treedef.flatten_up_to(opt["nu"]), step_size, bias2_sqrt)
     params = optree.tree_unflatten(treedef, new_p)
     opt = {"mu": optree.tree_unflatten(treedef, mu), "nu": optree.tree_unflatten(treedef, nu)}
     return params, opt, norm

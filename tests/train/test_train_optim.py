@@ -50,6 +50,27 @@ def test_adam_over_lists_equals_torch_optim_adam(foreach):
             assert torch.equal(a, r.detach()), (a - r).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adam_with_tensor_scalars_equals_torch_optim_adam(dtype):
+    """The compiled recipe's form (`shmap-train --compile`): the step's scalars as 0-d float64
+    tensors (graph inputs, not constants) give the bits of the Python floats, and of torch.optim."""
+    cfg = tiny("none", lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6)
+    torch.manual_seed(0)
+    p0 = [torch.randn(5, 3, dtype=dtype), torch.randn(7, dtype=dtype)]
+    ref = [p.clone().requires_grad_() for p in p0]
+    opt = torch.optim.Adam(ref, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    p, mu, nu = [x.clone() for x in p0], [torch.zeros_like(x) for x in p0], [torch.zeros_like(x) for x in p0]
+    for count in range(1, 6):
+        gs = [torch.randn_like(x) for x in p0]
+        for r, g in zip(ref, gs):
+            r.grad = g.clone()
+        opt.step()
+        scalars = [torch.tensor(s, dtype=torch.float64) for s in optim.adam_scalars(cfg, count, cfg.lr)]
+        p, mu, nu = optim.adam_apply(cfg, p, gs, mu, nu, *scalars)
+        for a, r in zip(p, ref):
+            assert torch.equal(a, r.detach()), (a - r).abs().max()
+
+
 def test_learning_rate_warms_up_then_decays_by_cosine():
     cfg = tiny("none", steps=110, warmup=10, lr=1.0)
     lrs = [optim.learning_rate(cfg, s) for s in range(cfg.steps)]
@@ -77,7 +98,7 @@ def test_global_norm_and_clipping_are_right_under_sharding(mesh):
 
     params = model.init_params(cfg)
     opt = optim.adam_init(params)
-    upd = shmap.shard_map(lambda p, g, o: optim.update(cfg, specs, p, g, o, 1, 1e-2), mesh=layout.make_mesh(),
+    upd = shmap.shard_map(lambda p, g, o: optim.update(cfg, specs, p, g, o, *optim.adam_scalars(cfg, 1, 1e-2)), mesh=layout.make_mesh(),
                           in_specs=(specs, specs, {"mu": specs, "nu": specs}),
                           out_specs=(specs, {"mu": specs, "nu": specs}, P()))
     new, new_opt, n = upd(params, grads, opt)
