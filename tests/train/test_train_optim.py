@@ -31,12 +31,15 @@ def test_adam_equals_torch_optim_adam():
     assert torch.equal(nu, state["exp_avg_sq"])
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adam_over_lists_equals_torch_optim_adam(foreach):
-    """The form `optim.update` uses: every parameter at once, one `torch._foreach_*` call per op."""
+@pytest.mark.parametrize("foreach,dtype,tensor_scalars", [(False, torch.float64, False), (True, torch.float64, False),
+                                                          (True, torch.float32, True), (True, torch.float64, True)])
+def test_adam_over_lists_equals_torch_optim_adam(foreach, dtype, tensor_scalars):
+    """The form `optim.update` uses: every parameter at once, one `torch._foreach_*` call per op.
+    With `tensor_scalars`, the compiled recipe's form (`shmap-train --compile`): the step's scalars
+    as 0-d float64 tensors (graph inputs, not constants) give the bits of the Python floats."""
     cfg = tiny("none", lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6)
     torch.manual_seed(0)
-    p0 = [torch.randn(5, 3, dtype=torch.float64), torch.randn(7, dtype=torch.float64)]
+    p0 = [torch.randn(5, 3, dtype=dtype), torch.randn(7, dtype=dtype)]
     ref = [p.clone().requires_grad_() for p in p0]
     opt = torch.optim.Adam(ref, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
     p, mu, nu = [x.clone() for x in p0], [torch.zeros_like(x) for x in p0], [torch.zeros_like(x) for x in p0]
@@ -45,28 +48,11 @@ def test_adam_over_lists_equals_torch_optim_adam(foreach):
         for r, g in zip(ref, gs):
             r.grad = g.clone()
         opt.step()
-        p, mu, nu = optim.adam_update(cfg, p, gs, mu, nu, count, cfg.lr)
-        for a, r in zip(p, ref):
-            assert torch.equal(a, r.detach()), (a - r).abs().max()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_adam_with_tensor_scalars_equals_torch_optim_adam(dtype):
-    """The compiled recipe's form (`shmap-train --compile`): the step's scalars as 0-d float64
-    tensors (graph inputs, not constants) give the bits of the Python floats, and of torch.optim."""
-    cfg = tiny("none", lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6)
-    torch.manual_seed(0)
-    p0 = [torch.randn(5, 3, dtype=dtype), torch.randn(7, dtype=dtype)]
-    ref = [p.clone().requires_grad_() for p in p0]
-    opt = torch.optim.Adam(ref, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
-    p, mu, nu = [x.clone() for x in p0], [torch.zeros_like(x) for x in p0], [torch.zeros_like(x) for x in p0]
-    for count in range(1, 6):
-        gs = [torch.randn_like(x) for x in p0]
-        for r, g in zip(ref, gs):
-            r.grad = g.clone()
-        opt.step()
-        scalars = [torch.tensor(s, dtype=torch.float64) for s in optim.adam_scalars(cfg, count, cfg.lr)]
-        p, mu, nu = optim.adam_apply(cfg, p, gs, mu, nu, *scalars)
+        if tensor_scalars:
+            scalars = [torch.tensor(s, dtype=torch.float64) for s in optim.adam_scalars(cfg, count, cfg.lr)]
+            p, mu, nu = optim.adam_apply(cfg, p, gs, mu, nu, *scalars)
+        else:
+            p, mu, nu = optim.adam_update(cfg, p, gs, mu, nu, count, cfg.lr)
         for a, r in zip(p, ref):
             assert torch.equal(a, r.detach()), (a - r).abs().max()
 
