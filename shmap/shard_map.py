@@ -82,7 +82,7 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
                      default_axes=axis_names is None, plans=plans)
 
     # torch.compile: Dynamo traces `mapped` (also when it is the compiled function itself) and puts
-    # `run` in its graph as one node, which AOT autograd traces through; on a distributed mesh the
+    # `run` in its graph as one node (`graph_call`), which AOT autograd traces through; on a distributed mesh the
     # DeviceMesh is an input of the node (compile.py).  Dynamo guards a closure by its code object:
     # each shard_map gets its own, so a graph compiled for one is never reused for another.
     n = next(_COUNTER)
@@ -330,7 +330,8 @@ def _exit(path, value, spec, body, mesh, fname):
     named = spec.axis_set()
     if body.check_vma and not varying <= named:
         extra = [a for a in body.axes if a in varying and a not in named]
-        raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
+        if extra:
+            raise _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body)
     phys, paxes, vma_ = x._phys, x._paxes, x._vma
     if x._unreduced:
         # The caller gets the logical value: the simulated mesh sums the pending terms here;
