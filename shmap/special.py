@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from .errors import VmaError, fmt_vma, varying_control_flow
-from .tensor import _SPECIAL, ShTensor, expand_to
+from .tensor import _SPECIAL, ShTensor, expand_to, typed_call
 
 
 def _metadata(func, args, kwargs):
@@ -28,6 +28,18 @@ def _phys_attr(name):
         return getattr(args[0]._phys, name)
 
     return get
+
+
+def _to(func, args, kwargs):
+    """`x.to(dtype)` to the dtype `x` already has is `x` itself, as in torch (no op, no autograd
+    node): a body that casts its weights to a compute dtype they already have pays nothing."""
+    x = args[0]
+    if type(x) is ShTensor:
+        dtype = args[1] if len(args) == 2 and not kwargs else kwargs.get("dtype") if len(args) == 1 and \
+            len(kwargs) == 1 else None
+        if isinstance(dtype, torch.dtype) and dtype == x._phys.dtype:
+            return x
+    return typed_call(func, args, kwargs)
 
 
 def _grad_get(func, args, kwargs):
@@ -216,6 +228,7 @@ for _m in (_T.size, _T.dim, _T.numel, _T.__len__, _T.is_floating_point, _T.is_co
     _SPECIAL[_m] = _metadata
 for _name in ("requires_grad", "grad_fn", "is_leaf"):
     _SPECIAL[getattr(_T, _name).__get__] = _phys_attr(_name)
+_SPECIAL[_T.to] = _to
 _SPECIAL[_T.grad.__get__] = _grad_get
 _SPECIAL[_T.data.__get__] = _data_get
 _SPECIAL[_T.requires_grad_] = _requires_grad_

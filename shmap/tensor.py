@@ -93,14 +93,19 @@ class ShTensor(torch.Tensor):
         special = _SPECIAL.get(func)
         if special is not None:
             return special(func, args, kwargs)
-        fast = _FAST.get(func)
-        if fast is None:
-            fast = _fast(func)
-        if fast:
-            out = _same_type_elementwise(func, args, kwargs)
-            if out is not None:
-                return out
-        return _dispatch(func, args, kwargs)
+        return typed_call(func, args, kwargs)
+
+
+def typed_call(func, args, kwargs):
+    """`func` on body values by its type rule: the elementwise fast path, or the general dispatch."""
+    fast = _FAST.get(func)
+    if fast is None:
+        fast = _fast(func)
+    if fast:
+        out = _same_type_elementwise(func, args, kwargs)
+        if out is not None:
+            return out
+    return _dispatch(func, args, kwargs)
 
 
 def vma(x) -> frozenset:

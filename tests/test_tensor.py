@@ -229,3 +229,21 @@ def test_same_type_elementwise_fast_path_equals_the_general_dispatch(monkeypatch
     expect = f(x, y, w)
     for a, b in zip((out, *grads), (expect, *torch.autograd.grad(expect.sum(), (x, w)))):
         assert torch.equal(a, b)
+
+
+def test_to_the_dtype_a_value_has_is_the_value_itself():
+    """As torch: `x.to(x.dtype)` is `x` (no op, no autograd node); another dtype converts, with its
+    gradient converted back."""
+    seen = {}
+
+    def body(x):
+        seen["same"] = x.to(torch.float32) is x and x.to(dtype=torch.float32) is x
+        y = x.to(torch.float64)
+        seen["other"] = y is not x and y.dtype == torch.float64
+        return shmap.psum((y * y).sum(), ("i", "j"))
+
+    x = torch.randn(8, 2, requires_grad=True)
+    out = shmap.shard_map(body, mesh=MESH, in_specs=P("i", "j"), out_specs=P())(x)
+    (g,) = torch.autograd.grad(out, x)
+    assert seen == {"same": True, "other": True}
+    assert g.dtype == torch.float32 and torch.allclose(g, 2 * x.detach())
