@@ -242,7 +242,7 @@ def test_to_the_dtype_a_value_has_is_the_value_itself():
         seen["other"] = y is not x and y.dtype == torch.float64
         return shmap.psum((y * y).sum(), ("i", "j"))
 
-    x = torch.randn(8, 2, requires_grad=True)
+    x = torch.randn(8, 2, dtype=torch.float32, requires_grad=True)
     out = shmap.shard_map(body, mesh=MESH, in_specs=P("i", "j"), out_specs=P())(x)
     (g,) = torch.autograd.grad(out, x)
     assert seen == {"same": True, "other": True}
