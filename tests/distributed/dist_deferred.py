@@ -309,6 +309,7 @@ def recipe_step_collectives(mesh_flags):
                 calls.append((name, args[0].numel()))
                 return real[name](*args, **kwargs)
             return call
+
         def counting_all_reduce(pg, tensors, *args):
             calls.append(("all_reduce", tensors[0].numel()))
             return pg_all_reduce(pg, tensors, *args)
