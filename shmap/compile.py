@@ -89,7 +89,10 @@ On a distributed mesh a shard_mapped call passes its `DeviceMesh` to the
 node (`run(..., device_mesh=...)`): AOT autograd flattens a DTensor into its
 local tensor and its (opaque) mesh, and the mesh of a DTensor *output* must
 be a graph input, or the partitioner takes it for the output's tangent
-("Node tangents_2 was invalid, but is output").
+("Node tangents_2 was invalid, but is output").  A pmap's mesh is made by
+the call itself; the node gets the whole world's (`pmap._WORLD_DEVICE_MESHES`),
+so a pmap over the world compiles with autograd, and a smaller one, with
+autograd, raises `NotImplementedError` naming the fix.
 
 **`torch.compile` and `shmap.jit`** (`jit.py`).  `torch.compile` stays on
 the route above: it composes with everything around a shard_mapped call
@@ -142,14 +145,15 @@ def graph_call(call, name):
     tensors and tuples or lists of them, not dicts.  The containers come back
     as constants (`spec_tree.skeleton`), read by `out_skeleton` (Dynamo's
     `assume_constant_result`) right after the node has run on fake tensors,
-    and `traced` rebuilds them in Python that Dynamo traces.  A `device_mesh`
-    keyword is a graph input only (see the module docstring).
+    and `traced` rebuilds them in Python that Dynamo traces.  `call` takes a
+    `device_mesh` keyword: the DeviceMesh its outputs are placed on, passed
+    so that it is an input of the graph (see the module docstring).
     """
     from .spec_tree import flat_leaves, from_skeleton, skeleton
 
     last, types = [None], {}
 
-    def node(*args, device_mesh=None, **kwargs):
+    def node(*args, **kwargs):
         out = call(*_mutable(args), **_mutable(kwargs))
         last[0] = skeleton(out, types)
         return flat_leaves(out)

@@ -82,16 +82,35 @@ def pmap(fun=None, axis_name=None, *, in_axes=0, out_axes=0, static_broadcasted_
     @functools.wraps(fun)
     def mapped(*args, **kwargs):
         if torch.compiler.is_compiling():  # Dynamo is tracing: one node of its graph (compile.py)
-            return traced(*args, **kwargs)
+            _make_world_device_mesh(name)  # (run by Dynamo, not traced: it may create the mesh)
+            return traced(*args, device_mesh=_WORLD_DEVICE_MESHES.get(name), **kwargs)
         return _pmap_call(cfg, args, kwargs)
 
     n = next(_fresh_node)
-    traced = graph_call(lambda *a, **k: _pmap_call(cfg, a, k), f"pmap_{n}")
+    traced = graph_call(lambda *a, device_mesh=None, **k: _pmap_call(cfg, a, k, device_mesh), f"pmap_{n}")
     mapped.__code__ = mapped.__code__.replace(co_name=f"pmapped_{n}")
     return mapped
 
 
 _fresh_node = itertools.count()
+
+
+def _make_world_device_mesh(name) -> bool:
+    """Under torch.compile: file the DeviceMesh of a pmap over the whole torch.distributed world in
+    `_WORLD_DEVICE_MESHES`, from where it is an input of the compiled node (a DTensor output's mesh
+    must be one; see compile.py).  Dynamo runs this function rather than tracing it (it may create the
+    mesh); the mesh itself it must read from a place it can guard, not take as a constant."""
+    from .mesh import _real_world
+
+    if _real_world():  # (make_mesh caches it: the same object while the world lasts)
+        import torch.distributed as dist
+
+        _WORLD_DEVICE_MESHES[name] = make_mesh((dist.get_world_size(),), (name,)).device_mesh
+    return True
+
+
+_make_world_device_mesh._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, unimported
+_WORLD_DEVICE_MESHES: dict = {}
 
 
 def _static_argnums(s):
@@ -108,7 +127,7 @@ def _static_argnums(s):
 # --------------------------------------------------------------------------
 # The call
 # --------------------------------------------------------------------------
-def _pmap_call(cfg, args, kwargs):
+def _pmap_call(cfg, args, kwargs, device_mesh=None):
     fname, name = cfg["fname"], cfg["name"]
     api = f"pmap({fname})"
     nargs = len(args)
@@ -202,6 +221,15 @@ def _pmap_call(cfg, args, kwargs):
     if parent is not None and not parent.active:
         parent = None
     mesh = _mesh_for(api, name, n, cfg["devices"], parent, leaves)
+    if device_mesh is not None and mesh.axis_names != (name,) and torch.is_grad_enabled() and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for _, v, _ in leaves):  # (not the world's mesh)
+        raise NotImplementedError(
+            f"{api}: under torch.compile on the torch.distributed world, a pmap with autograd must map an "
+            f"axis of the world's size ({mesh.size} processes; this one maps {n}): its outputs' DeviceMesh "
+            "has to be an input of the compiled graph, and only the whole world's is known before the call. "
+            "Fix: map an axis of the world's size, use shard_map over shmap.make_mesh(...) (which compiles "
+            "with autograd on any mesh), or call this pmap outside torch.compile."
+        )
 
     in_specs = []
     for path, v, ax in leaves:

@@ -77,7 +77,7 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
     in_specs, out_specs = freeze(in_specs), freeze(out_specs)
     plans = ({}, {})  # the spec trees' matches, per argument / output structure (spec_tree.cached_match)
 
-    def run(*args):
+    def run(*args, device_mesh=None):  # (device_mesh: an input of the compiled node only)
         return _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args,
                      default_axes=axis_names is None, plans=plans)
 

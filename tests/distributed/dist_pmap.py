@@ -127,10 +127,39 @@ def run_errors():
     return msgs
 
 
+def run_compiled():
+    """torch.compile (fullgraph) of a pmap over the world taking and returning dicts, forward and
+    backward, against the same pmap run eagerly; compiled first, so the mesh is created under
+    tracing.  A pmap smaller than the world with autograd is refused with a clear error there."""
+    f = shmap.pmap(lambda d: {"a": shmap.psum(torch.sin(d["x"]) * d["w"], "i"), "b": d["x"] * 2}, "i",
+                   in_axes=({"x": 0, "w": None},))
+    x, w = _data(4, 3, seed=6), _data(3, seed=7)
+
+    def run(fn):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with shmap.comm_log() as log:
+            y = fn({"x": xx, "w": ww})
+            grads = torch.autograd.grad(_full(y["a"]).sum() + (_full(y["b"]) ** 2).sum(), (xx, ww))
+        return sorted(y), [_full(y[k]).detach() for k in sorted(y)], list(grads), log.summary()
+
+    got = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    want = run(f)
+    out = {"keys": got[0], "equal": all(torch.equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2])),
+           "comm": (got[3], want[3])}
+    half = shmap.pmap(lambda v: shmap.psum(v, "i"), "i")
+    try:
+        v = _data(2, 3, seed=8).requires_grad_()
+        torch.compile(half, fullgraph=True, backend="aot_eager")(v)
+        out["half"] = None
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps it
+        out["half"] = str(e)
+    return out
+
+
 def run_all():
     import torch.distributed as dist
 
-    out = {"single": run_single(), "nested": run_nested(), "errors": run_errors()}
+    out = {"single": run_single(), "nested": run_nested(), "errors": run_errors(), "compiled": run_compiled()}
     if dist.is_initialized():
         out["dtensor"] = run_dtensor_input()
     return out

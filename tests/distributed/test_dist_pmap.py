@@ -60,6 +60,21 @@ def test_dtensor_input_is_used_in_place(results):
         torch.testing.assert_close(d["nested"], d["nested_plain"])
 
 
+def test_pmap_compiles_as_one_graph_and_equals_eager(results):
+    """torch.compile(fullgraph=True) of a pmap taking and returning dicts: values, gradients and
+    comm_log equal eager's, on the simulated mesh and on 4 processes (where the node's DeviceMesh
+    is a graph input); a pmap smaller than the world, with autograd, is refused there by name."""
+    sim, ranks = results
+    for got in [sim["compiled"]] + [r["compiled"] for r in ranks]:
+        assert got["keys"] == ["a", "b"] and got["equal"], got
+        assert got["comm"][0] == got["comm"][1], got["comm"]
+    assert sim["compiled"]["half"] is None  # (simulated: any size compiles)
+    for got in ranks:
+        msg = got["compiled"]["half"]
+        assert msg and "must map an axis of the world's size (4 processes; this one maps 2)" in msg, msg
+        assert "Fix:" in msg
+
+
 def test_sizes_that_do_not_fit_the_world(results):
     _, ranks = results
     for got in ranks:
