@@ -40,7 +40,7 @@ from .operands import (
     _size,
     _varying,
 )
-from .tensor import ShTensor, unreduced_axes, vma  # noqa: F401  (unreduced_axes, vma: re-exported)
+from .tensor import ShTensor, logical_shape, unreduced_axes, vma  # noqa: F401  (unreduced_axes, vma: re-exported)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def psum(x, axis_name):
     body, x = _operand("psum", x, axes)
     x = _countable(x)
     phys = _varying(x, axes, body)
-    out, paxes = body.backend.psum(phys, x._paxes, axes, body, x._phys.shape[len(x._paxes):], not body.check_vma)
+    out, paxes = body.backend.psum(phys, x._paxes, axes, body, logical_shape(x), not body.check_vma)
     res = _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
     if x._unreduced:  # psum over an unreduced axis is that pending sum's reduction
         res._unreduced = x._unreduced - set(axes)

@@ -26,13 +26,18 @@ from .mesh import Mesh, PartitionSpec
 
 
 def is_dtensor(x) -> bool:
-    if not _DTENSOR:  # imported once (every boundary crossing asks)
+    return isinstance(x, _DTENSOR[0] if _DTENSOR else _dtensor_class())
+
+
+def _dtensor_class():
+    """DTensor (or `()` in a torch built without distributed), imported once: every boundary crossing asks."""
+    if not _DTENSOR:
         try:
             from torch.distributed.tensor import DTensor
         except ImportError:  # torch built without distributed
             DTensor = ()
         _DTENSOR.append(DTensor)
-    return isinstance(x, _DTENSOR[0])
+    return _DTENSOR[0]
 
 
 _DTENSOR: list = []
@@ -199,14 +204,8 @@ def new_dtensor(local, dspec, requires_grad=False):
     every call.  (shmap never lets Dynamo trace this: a shard_mapped call is
     one graph node.)
     """
-    cls = is_dtensor_type()
+    cls = _dtensor_class()
     return cls.__new__(cls, local, dspec, requires_grad=requires_grad)
-
-
-def is_dtensor_type():
-    """The DTensor class (imported once)."""
-    is_dtensor(None)
-    return _DTENSOR[0]
 
 
 def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):

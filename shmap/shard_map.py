@@ -25,7 +25,7 @@ from .compile import graph_call
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
 from .spec_tree import cached_match, freeze
-from .tensor import ShTensor, storage_key
+from .tensor import ShTensor, logical_shape, storage_key, vma
 
 
 def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vma=True):
@@ -316,7 +316,7 @@ def _exit(path, value, spec, body, mesh, fname):
     if body.parent is not None:  # nested: back to the parent body's layout
         return nesting.exit(path, value, spec, body, mesh, fname)
     x = _output_value(path, value, body, fname)
-    shape = x._phys.shape[len(x._paxes):]  # x.shape, without a trip through __torch_function__
+    shape = logical_shape(x)
     _check_spec(spec, path, shape, mesh, body.axes, fname, what="the output", split=False)
     if spec.unreduced or x._unreduced:
         implicit = spec.unreduced - x._unreduced
@@ -326,7 +326,7 @@ def _exit(path, value, spec, body, mesh, fname):
             x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | implicit)
         if x._unreduced != spec.unreduced:
             raise VmaError(_unreduced_mismatch(fname, path, spec, x, body))
-    varying = x._vma - x._unreduced if x._unreduced else x._vma
+    varying = vma(x)
     named = spec.axis_set()
     if body.check_vma and not varying <= named:
         extra = [a for a in body.axes if a in varying and a not in named]

@@ -34,9 +34,8 @@ def _to(func, args, kwargs):
     """`x.to(dtype)` to the dtype `x` already has is `x` itself, as in torch (no op, no autograd
     node): a body that casts its weights to a compute dtype they already have pays nothing."""
     x = args[0]
-    if type(x) is ShTensor:
-        dtype = args[1] if len(args) == 2 and not kwargs else kwargs.get("dtype") if len(args) == 1 and \
-            len(kwargs) == 1 else None
+    if type(x) is ShTensor and len(args) + len(kwargs) == 2:  # x.to(dtype) or x.to(dtype=dtype)
+        dtype = args[1] if len(args) == 2 else kwargs.get("dtype")
         if isinstance(dtype, torch.dtype) and dtype == x._phys.dtype:
             return x
     return typed_call(func, args, kwargs)

@@ -108,6 +108,12 @@ def typed_call(func, args, kwargs):
     return _dispatch(func, args, kwargs)
 
 
+def logical_shape(x: "ShTensor") -> torch.Size:
+    """A body value's per-device shape, read from its physical tensor (`x.shape` is the same, through
+    `__torch_function__`: the boundary and the collectives ask on every call)."""
+    return x._phys.shape[len(x._paxes):]
+
+
 def vma(x) -> frozenset:
     """The set of mesh axes along which `x` may vary (empty for invariant values).
 

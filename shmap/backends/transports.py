@@ -250,9 +250,9 @@ def _pg_all_reduce(buf, op, pg):
     What the wrapper adds is done already or does not arise here (one plain
     tensor of this process's group, no coalescing manager), and its Python (an
     exception-logging decorator, argument checks, the options object) costs
-    about 10 to 15 us on every psum and gradient bucket: a tenth of a 4 KiB
-    psum's time on gloo.  A complex tensor keeps the wrapper (which moves it
-    as real pairs).
+    about 8 us of CPU on every psum and gradient bucket (52.9 against 45.0 us
+    a call, timed side by side on gloo).  A complex tensor keeps the wrapper
+    (which moves it as real pairs).
     """
     if buf.is_complex():
         return _dist().all_reduce(buf, op=op, group=pg, async_op=True)
