@@ -160,6 +160,7 @@ class CountCollectives:
 
         self.dist, self.control = dist, control_group
         self.calls, self.bytes, self._saved = {}, 0, {}
+        self._inside = 0  # > 0 inside a patched torch.distributed call (its own pg.allreduce is not counted again)
 
     def __enter__(self):
         for name in self.NAMES:
@@ -175,13 +176,29 @@ class CountCollectives:
                     if isinstance(t, torch.Tensor):
                         self.calls[_name] = self.calls.get(_name, 0) + 1
                         self.bytes += t.numel() * t.element_size()
-                return _fn(*args, **kw)
+                self._inside += 1
+                try:
+                    return _fn(*args, **kw)
+                finally:
+                    self._inside -= 1
             setattr(self.dist, name, wrapper)
+        # shmap launches its all_reduces on the process group itself (transports._pg_all_reduce)
+        pg_class = self.dist.ProcessGroup
+        self._pg_allreduce = pg_class.__dict__["allreduce"]  # (the class attribute itself, to put back)
+        real = pg_class.allreduce
+
+        def pg_allreduce(pg, tensors, *args, **kw):
+            if pg is not self.control and not self._inside:
+                self.calls["all_reduce"] = self.calls.get("all_reduce", 0) + 1
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            return real(pg, tensors, *args, **kw)
+        pg_class.allreduce = pg_allreduce
         return self
 
     def __exit__(self, *exc):
         for name, fn in self._saved.items():
             setattr(self.dist, name, fn)
+        self.dist.ProcessGroup.allreduce = self._pg_allreduce
 
 
 def dp_worker(d_in, d_hidden, batch_per_rank, steps):

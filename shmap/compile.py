@@ -71,14 +71,13 @@ Where this differs from eager (weaker, or slower):
 - The shared-memory transport is not used; gloo moves the data (with 3 or
   more ranks a floating sum may then differ in the last bit from an eager
   run on shared memory, not from an eager run on gloo).
-- A payload without a signature (strict mode, NCCL, an all_gather,
-  all_to_all, ppermute or psum_scatter payload over 256 KiB) is checked by
-  an exchange that completes before the data moves; eagerly, the default
-  mode runs that exchange alongside the data.
 - A backward pass's reductions (and forward gathers issued back to back)
-  are bucketed as eagerly (`backends/deferred.py`): the same collectives on
-  the wire.  But each bucket's collective completes where the graph launches
-  it; eagerly it is read last, overlapping the rest of the backward pass.
+  are bucketed as eagerly (`backends/deferred.py`).  But each bucket's
+  collective completes where the graph launches it; eagerly it is read
+  last, overlapping the rest of the backward pass.  So a traced pass does
+  not open a small first bucket (whose early launch would overlap nothing
+  and add a wait): its gradients share full buckets, fewer collectives
+  than eagerly (the recipe's small models: one per pass).
 - A process group for a new axis tuple is created while tracing, before
   any signature check (eagerly: after the first one); the groups of meshes
   of up to 3 axes exist from `make_mesh` on anyway.

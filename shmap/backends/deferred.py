@@ -183,7 +183,10 @@ class Bucket:
             torch.autograd.Variable._execution_engine.queue_callback(self.launch)
         except RuntimeError:  # not inside a backward pass: the first read launches
             return
-        if kind != "all_gather":
+        # A small first bucket starts the wire while the pass's last layers still run.  A traced
+        # launch completes where it is launched (see the module docstring): there an early launch
+        # overlaps nothing and would only add a wait, so the pass's gradients share full buckets.
+        if kind != "all_gather" and not tracing():
             task = torch._C._current_graph_task_id()
             if _STARTED[0] != task:
                 _STARTED[:] = [task, set()]

@@ -12,18 +12,20 @@ in order where Inductor's reorderings do not honour the effect order).  The
 compiled graph then performs, on every call, what the eager path does:
 
     shmap.coll_begin(like, after, spec)   count the collective (the guard's
-                                          counter, black box); strict mode, or a
-                                          payload that cannot carry a signature:
-                                          exchange and check one now, before any
-                                          data moves; default mode: return the
-                                          signature trailer
+                                          counter, black box); strict mode:
+                                          exchange and check a signature now,
+                                          before any data moves; default mode:
+                                          return the signature trailer, or, for
+                                          a payload with no room for one, launch
+                                          its exchange to run alongside the data
     _c10d_functional.<collective>         the data, with the trailer folded in as
                                           eagerly (same layout, same wire dtype)
     shmap.coll_wait(out, sent, spec)      the watched wait (a helper thread waits
                                           on the work; this one polls the store
                                           for failed or exited ranks and the
-                                          timeout), the trailers received checked
-                                          against the one sent, then `done`
+                                          timeout), the trailers received (or the
+                                          exchange alongside) checked against
+                                          the one sent, then `done`
     _c10d_functional.wait_tensor          (already complete: a no-op)
 
 and `shmap.coll_record` (as `ops.record` does) reports each event to `comm_log`
@@ -149,7 +151,10 @@ def _begin_impl(like, after, spec):
     w = _watch()
     pending = w.begin(s.kind, s.axes, s.shape, s.dtype, s.extra, exchange=s.seal is None)
     if pending is not None:
-        w.verify(pending)  # before the data moves
+        if w.overlapping():  # default mode: the exchange runs alongside the data, checked by coll_wait
+            _ALONGSIDE.setdefault(spec, []).append(pending)
+        else:
+            w.verify(pending)  # strict: before the data moves
     if s.seal is None:
         return torch.empty(0, dtype=s.tdtype, device=like.device)
     c, n = w._static(s.kind, s.axes, s.shape, s.dtype, s.extra), w.current[0]
@@ -159,6 +164,12 @@ def _begin_impl(like, after, spec):
     else:
         t = torch.frombuffer(bytearray(struct.pack("<IHH", c, n & 0xFFFF, w.epoch & 0xFFFF)), dtype=torch.uint8)
     return t if like.is_cpu else t.to(like.device)
+
+
+#: spec -> the signature exchanges `coll_begin` launched alongside their collectives' data (default
+#: mode, a payload with no room for the signature), each checked by its `coll_wait`, as eagerly
+#: (`transports.InFlight.finish`)
+_ALONGSIDE: dict = {}
 
 
 class _TensorWork:
@@ -181,8 +192,11 @@ def _wait_impl(out, sent, spec):
     """The watched wait for `out`; then the trailers received must equal the one sent."""
     s = _get(spec)
     w = _watch()
+    alongside = _ALONGSIDE.get(spec)
+    pending = alongside.pop(0) if alongside else None
     # A helper thread waits (wait_tensor takes no timeout); this one watches the store and the clock.
     w.wait(_TensorWork(out), None, s.ranks, gloo=s.gloo, blocking=True)
+    w.verify(pending, moved=True)
     if s.seal is not None and out.numel():
         if s.seal == "reduce":  # each pair keeps exactly its nonzero side iff every rank wrote the same bits
             ok = [bool(v) for v in out.reshape(-1)[-s.tlen:].tolist()] == [bool(v) for v in sent.tolist()]

@@ -172,6 +172,47 @@ def bucketed():
     return bad
 
 
+def full_buckets():
+    """A traced backward pass opens no small first bucket: its launch would complete where the graph
+    launches it, overlapping nothing.  Six 2 KiB gradients with a 1 KiB first bucket: eagerly two
+    all_reduces (the first weight's alone, then the rest), compiled one; values and comm_log equal."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(ws, x):
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return (h * h).sum().reshape(1)  # each rank's share: the backward's psums are its only collectives
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=([P()] * 6, P("i")), out_specs=P("i"))
+    g = torch.Generator().manual_seed(5)
+    ws = [0.3 * torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(6)]
+    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        leaves = [w.detach().requires_grad_() for w in ws]
+        with shmap.comm_log() as log:
+            out = fn(leaves, x)
+            grads = torch.autograd.grad(out.to_local().sum(), leaves)
+        return [out.to_local().detach()], list(grads), log.events
+
+    prev = shmap.configure_distributed(first_bucket_bytes=1024)
+    try:
+        graphs = []
+        cf = torch.compile(f, fullgraph=True, backend=_capturing(graphs))
+        bad = _same("full buckets", run(cf), run(f))
+        eager_ops, compiled_ops = _gloo_ops(lambda: run(f)), _gloo_ops(lambda: run(cf))
+    finally:
+        shmap.configure_distributed(first_bucket_bytes=prev["first_bucket_bytes"])
+    if eager_ops.get("all_reduce") != 2 or compiled_ops.get("all_reduce") != 1:
+        bad.append(f"full buckets: gloo all_reduces eager {eager_ops}, compiled {compiled_ops} (expected 2 and 1)")
+    backward = graphs[1] if len(graphs) == 2 else ""
+    if backward.count("_c10d_functional.all_reduce.default") != 1:
+        bad.append(f"full buckets: {len(graphs)} graphs; the backward's has "
+                   f"{backward.count('_c10d_functional.all_reduce.default')} all_reduces, expected 1")
+    return bad
+
+
 def gathered_outputs():
     """Gathers in one bucket whose values leave the body as they are (one directly, one through an op),
     with and without autograd: compiled equals eager (a bucketed value is read even when no op in the
@@ -322,6 +363,22 @@ def strict_mismatch():
         shmap.configure_distributed(check_collectives=prev["check_collectives"])
 
 
+def alongside_mismatch():
+    """Default checks, a compiled all_gather too large for a signature in its payload (512 KiB a rank),
+    gathered along another axis on rank 1: the same bytes move, and the signature exchange that ran
+    alongside them reports the mismatch on every rank (as eagerly; the world cannot go on after data
+    moved under a mismatch).  Returns the message."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    axis = 1 if _rank() == 1 else 0
+    f = torch.compile(shmap.shard_map(lambda v: shmap.all_gather(v, "i", axis=axis, tiled=True), mesh=mesh,
+                                      in_specs=P("i"), out_specs=P("i")), fullgraph=True, backend="aot_eager")
+    try:
+        f(torch.ones(1024, 128))  # each rank's block: 512 x 128 float32 = 256 KiB; the gather moves 2 of them
+    except shmap.CollectiveMismatchError as e:
+        return str(e)
+    return "not raised"
+
+
 # --------------------------------------------------------------------------
 # A hang is not silent: the watched wait inside the compiled graph
 # --------------------------------------------------------------------------
@@ -368,7 +425,8 @@ def recipe(mesh="fsdp=2", steps=1):
     return []
 
 
-CASES = {"collectives": collectives, "bucketed": bucketed, "gathered outputs": gathered_outputs,
+CASES = {"collectives": collectives, "bucketed": bucketed, "full buckets": full_buckets,
+         "gathered outputs": gathered_outputs,
          "pytree outputs": pytree_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
          "recipe": recipe}

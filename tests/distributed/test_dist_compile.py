@@ -42,3 +42,12 @@ def test_a_rank_that_never_arrives_at_a_compiled_collective_is_named():
     name, msg, _ = err.errors[0]
     assert name == "CollectiveTimeoutError", (name, msg)
     assert "rank 1: not waiting in any collective" in msg and "psum over 'i'" in msg, msg
+
+
+def test_a_compiled_gather_checked_alongside_its_data_reports_a_mismatch():
+    """A payload with no room for its signature is checked by an exchange running alongside the data,
+    compiled as eagerly (no round trip before the data moves); a mismatch is still named on every rank."""
+    msgs = shmap.spawn(dist_compile.alongside_mismatch, nprocs=2, timeout=120)
+    for msg in msgs:
+        assert "signature exchange alongside it" in msg, msg
+        assert "axis=0" in msg and "axis=1" in msg and "all_gather over 'i'" in msg, msg
