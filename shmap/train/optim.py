@@ -58,9 +58,14 @@ def adam_apply(cfg: Config, param, grad, mu, nu, step_size, bias2_sqrt):
     if isinstance(param, torch.Tensor):
         p, m, v = adam_apply(cfg, [param], [grad], [mu], [nu], step_size, bias2_sqrt)
         return p[0], m[0], v[0]
+    # Each result is a new list (the arguments are the caller's); the intermediates are this call's
+    # own, updated in place as torch.optim does: 4 new lists of the parameters' size (eagerly) instead of 7.
     mu = torch._foreach_lerp(mu, grad, 1 - cfg.beta1)
-    nu = torch._foreach_addcmul(torch._foreach_mul(nu, cfg.beta2), grad, grad, value=1 - cfg.beta2)
-    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), bias2_sqrt), cfg.eps)
+    nu = torch._foreach_mul(nu, cfg.beta2)
+    torch._foreach_addcmul_(nu, grad, grad, value=1 - cfg.beta2)
+    denom = torch._foreach_sqrt(nu)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, cfg.eps)
     if isinstance(step_size, torch.Tensor):
         return torch._foreach_addcdiv(param, torch._foreach_mul(mu, -step_size), denom), mu, nu
     return torch._foreach_addcdiv(param, mu, denom, value=-step_size), mu, nu
