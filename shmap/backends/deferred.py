@@ -55,9 +55,10 @@ from __future__ import annotations
 import torch
 
 from .config import _OPTIONS
+from .sealed import _contiguous_strides
 from .traced import tracing
-from .transports import (_MOVABLE, _all_gather, _chunks, _contiguous_strides, _launch_all_reduce,
-                         _launch_gather_rows, _launch_psum_scatter, result_shape)
+from .transports import (_MOVABLE, _all_gather, _chunks, _launch_all_reduce, _launch_gather_rows,
+                         _launch_psum_scatter, result_shape)
 
 
 class Deferred(torch.Tensor):

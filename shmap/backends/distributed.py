@@ -69,14 +69,11 @@ from .groups import Group, _dist
 from .protocol import Backend
 from .transports import (  # noqa: F401
     _MOVABLE,
-    _SEAL_BYTES_LIMIT,
-    _STRIDES,
     _all_gather,
     _all_reduce,
     _all_to_all,
     _as_bytes,
     _chunks,
-    _contiguous_strides,
     _gather_rows,
     _own_block,
     _ppermute,
@@ -84,11 +81,6 @@ from .transports import (  # noqa: F401
     _reduce_dtype,
     _run,
     _run_shm,
-    _sealed_bytes,
-    _sealed_reduce,
-    _sealed_reduce_rows,
-    _sealing,
-    _unseal_bytes,
 )
 
 

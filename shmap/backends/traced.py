@@ -300,11 +300,13 @@ def body_end(shape, dtype, extra, like):
 
 
 def all_reduce(x, g: Group, kind):
-    from .transports import _reduce_dtype
+    from .transports import _reduce_dtype, gathered_reduce, reduce_rows
 
     if g.n == 1:
         return x.clone(memory_format=torch.contiguous_format)
     name = _name(g)
+    if gathered_reduce(g, x.numel() * x.element_size()):  # small: gathered and reduced here, as eagerly
+        return reduce_rows(gather_rows(x, g, kind), kind)
     wire = _reduce_dtype(x, kind) or x.dtype
     seal = "reduce" if _sealing(g) and sealable(wire, g.n) and not wire.is_complex else None
     spec = _spec(g, kind, x.shape, x.dtype, "", seal, wire)
@@ -329,7 +331,8 @@ def launch_all_reduce(x, g: Group, kind):
 
 def gather_rows(x, g: Group, kind, extra=""):
     """[n, *x.shape]: every position's block, in the tuple's order."""
-    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _as_bytes
+    from .sealed import _SEAL_BYTES_LIMIT
+    from .transports import _MOVABLE, _as_bytes
 
     x = x.contiguous()
     if g.n == 1:
@@ -358,7 +361,8 @@ def gather_rows(x, g: Group, kind, extra=""):
 
 def launch_psum_scatter(x, g: Group, dim, tiled):
     """`transports._launch_psum_scatter` under tracing: complete at once."""
-    from .transports import _SEAL_BYTES_LIMIT, _chunks, _reduce_dtype
+    from .sealed import _SEAL_BYTES_LIMIT
+    from .transports import _chunks, _reduce_dtype
 
     chunks = _chunks(x, g.n, dim, tiled)
     if g.n == 1:
@@ -389,7 +393,8 @@ def launch_psum_scatter(x, g: Group, dim, tiled):
 
 def ppermute(x, g: Group, perm):
     """One all_to_all_single whose splits are the permutation (eagerly: point-to-point sends)."""
-    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _as_bytes
+    from .sealed import _SEAL_BYTES_LIMIT
+    from .transports import _MOVABLE, _as_bytes
 
     me = g.index
     send = [d for s, d in perm if s == me and d != me]
@@ -428,7 +433,8 @@ def ppermute(x, g: Group, perm):
 
 
 def all_to_all(x, g: Group, split_axis, concat_axis, tiled):
-    from .transports import _MOVABLE, _SEAL_BYTES_LIMIT, _all_to_all_result, _as_bytes, _chunks
+    from .sealed import _SEAL_BYTES_LIMIT
+    from .transports import _MOVABLE, _all_to_all_result, _as_bytes, _chunks
 
     chunks = _chunks(x, g.n, split_axis, tiled)  # [dst, *chunk]
     if g.n > 1:

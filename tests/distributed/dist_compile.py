@@ -77,7 +77,8 @@ def _collectives(x, y, h, k):
     f = shmap.ppermute(e, "i", [(0, 1)])                                      # rank 0 gets zeros
     hs = shmap.psum(h, "i")                                                   # bfloat16: summed in float32
     ks = shmap.psum(k * 1000, "i")                                            # int32: wraps as eagerly
-    loss = shmap.pmean(torch.sin(d).sum() + (f * f).sum() + hs.double().sum(), "i")
+    big = shmap.psum(x.repeat(512, 16), "i")  # [2048, 64]: 1 MiB, an all_reduce (the small ones gather)
+    loss = shmap.pmean(torch.sin(d).sum() + (f * f).sum() + hs.double().sum() + big.mean(), "i")
     return loss, shmap.pmax(x, "i") - shmap.pmin(x, "i"), ks
 
 
@@ -160,10 +161,12 @@ def bucketed():
     forward, backward = graphs if len(graphs) == 2 else ("", "")
     ops = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
     counts = [{op: g.count(f"_c10d_functional.{op}.default") for op in ops} for g in (forward, backward)]
-    want_counts = [{"all_gather_into_tensor": 1, "all_reduce": 1, "reduce_scatter_tensor": 0},  # + the loss's psum
-                   {"all_gather_into_tensor": 2, "all_reduce": 1, "reduce_scatter_tensor": 1}]
-    # (the backward's two all_gathers assemble the gradients of the sharded weights, passed as plain global
-    # tensors: the boundary's traffic, one per input, not the program's collectives)
+    # Every reduction here is small, so it travels as an all_gather reduced on each rank
+    # (transports.gathered_reduce): forward, the weights' bucket and the loss's psum; backward, the 6
+    # psums' bucket, the 2 psum_scatters' bucket, and two all_gathers that assemble the gradients of
+    # the sharded weights, passed as plain global tensors (the boundary's traffic, one per input).
+    want_counts = [{"all_gather_into_tensor": 2, "all_reduce": 0, "reduce_scatter_tensor": 0},
+                   {"all_gather_into_tensor": 3, "all_reduce": 0, "reduce_scatter_tensor": 1}]
     if counts != want_counts:
         bad.append(f"bucketed: the (forward, backward) graphs have {counts} collectives, expected {want_counts} "
                    f"(the 2 gathers, the 6 psums and the 2 psum_scatters bucketed); {len(graphs)} graphs")
@@ -175,7 +178,8 @@ def bucketed():
 def full_buckets():
     """A traced backward pass opens no small first bucket: its launch would complete where the graph
     launches it, overlapping nothing.  Six 2 KiB gradients with a 1 KiB first bucket: eagerly two
-    all_reduces (the first weight's alone, then the rest), compiled one; values and comm_log equal."""
+    reductions (the first weight's alone, then the rest; small, so each an all_gather reduced on each
+    rank), compiled one; values and comm_log equal."""
     mesh = shmap.make_mesh((2,), ("i",))
 
     def body(ws, x):
@@ -204,12 +208,15 @@ def full_buckets():
         eager_ops, compiled_ops = _gloo_ops(lambda: run(f)), _gloo_ops(lambda: run(cf))
     finally:
         shmap.configure_distributed(first_bucket_bytes=prev["first_bucket_bytes"])
-    if eager_ops.get("all_reduce") != 2 or compiled_ops.get("all_reduce") != 1:
-        bad.append(f"full buckets: gloo all_reduces eager {eager_ops}, compiled {compiled_ops} (expected 2 and 1)")
+    def reductions(ops):  # (nothing else here moves data: the weights are replicated, x needs no gradient)
+        return ops.get("all_reduce", 0) + ops.get("all_gather", 0)
+    if reductions(eager_ops) != 2 or reductions(compiled_ops) != 1:
+        bad.append(f"full buckets: gloo operations eager {eager_ops}, compiled {compiled_ops} (expected 2 "
+                   "reductions and 1)")
     backward = graphs[1] if len(graphs) == 2 else ""
-    if backward.count("_c10d_functional.all_reduce.default") != 1:
-        bad.append(f"full buckets: {len(graphs)} graphs; the backward's has "
-                   f"{backward.count('_c10d_functional.all_reduce.default')} all_reduces, expected 1")
+    n = sum(backward.count(f"_c10d_functional.{op}.default") for op in ("all_reduce", "all_gather_into_tensor"))
+    if n != 1:
+        bad.append(f"full buckets: {len(graphs)} graphs; the backward's has {n} reductions, expected 1")
     return bad
 
 

@@ -41,16 +41,28 @@ class Marker(torch.autograd.Function):
         return g
 
 
-_COUNT = [0]  # gloo all_reduces launched
+_COUNT = [0]  # reductions launched (a gloo all_reduce or, when small, a sealed all_gather reduced locally)
 _FINISHED = [0]  # collectives finished (waited for and checked)
 _RS = [0]  # gloo reduce-scatters launched
-_AG = [0]  # gloo all_gathers launched
+_AG = [0]  # all_gathers (of data, not a reduction's) launched
 
 
 def _counting_finish(finish):
     def wrapped(self):
         _FINISHED[0] += 1
         return finish(self)
+    return wrapped
+
+
+def _counting_starts(start):
+    """transports._start counting what it launches, by kind: every collective of data on the wire
+    (a reduction's transport depends on its size, see transports.gathered_reduce)."""
+    def wrapped(g, kind, *args, **kwargs):
+        if kind in ("psum", "pmax", "pmin"):
+            _COUNT[0] += 1
+        elif kind == "all_gather":
+            _AG[0] += 1
+        return start(g, kind, *args, **kwargs)
     return wrapped
 
 
@@ -102,7 +114,7 @@ def _data():
 
 
 def _grads(mesh, ws, x, bucket_bytes, how="grad", first=None):
-    """(gradients of the weights, gloo all_reduces launched, comm_log kinds, Marker.seen)."""
+    """(gradients of the weights, reductions launched, comm_log kinds, Marker.seen)."""
     f = shmap.shard_map(_body, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
     prev = (shmap.configure_distributed(bucket_bytes=bucket_bytes, first_bucket_bytes=first)
             if mesh.is_distributed else None)
@@ -127,7 +139,7 @@ def run_cases():
     fails = []
     from shmap.backends import transports
 
-    dist.ProcessGroup.allreduce = _counting(dist.ProcessGroup.allreduce)  # every all_reduce on the wire
+    transports._start = _counting_starts(transports._start)  # every reduction and all_gather launched
     name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     setattr(dist, name, _counting(getattr(dist, name), _RS))
     transports.InFlight.finish = _counting_finish(transports.InFlight.finish)
@@ -151,7 +163,7 @@ def run_cases():
                              f"by {(a - b).abs().max():.3g}")
         expect = {1: 1 + N_WEIGHTS, 1 << 20: 1 + 1, 16 * 16 * 8 * 2: 1 + N_WEIGHTS // 2}[bucket]
         if count != expect:
-            fails.append(f"bucket_bytes={bucket}: {count} gloo all_reduces, expected {expect} (the loss's psum "
+            fails.append(f"bucket_bytes={bucket}: {count} reductions, expected {expect} (the loss's psum "
                          "and the weights' buckets)")
         if bucket != 1 << 20 and not (seen and seen[0][0] > 1 and seen[0][1] < seen[0][0]):
             # the first layer's backward runs last: by then the later layers' buckets are on the wire,
@@ -162,7 +174,7 @@ def run_cases():
     for _ in range(2):  # (and again in the next backward pass)
         grads, count, _, _ = _grads(mesh, ws, x, 1 << 20, first=16 * 16 * 8 * 2)
         if count != 1 + 2:
-            fails.append(f"first_bucket_bytes=4096, bucket_bytes=1 MiB: {count} gloo all_reduces, expected 3 (the "
+            fails.append(f"first_bucket_bytes=4096, bucket_bytes=1 MiB: {count} reductions, expected 3 (the "
                          "loss's psum, the first bucket of two weights, one bucket of the rest)")
         if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref)):
             fails.append("first_bucket_bytes=4096: gradients differ from the simulated mesh's")
@@ -199,9 +211,6 @@ def run_cases():
                              "differs from the simulated mesh's")
 
     # FSDP, every weight gathered at the top: the gathers share buckets (one all_gather each unbucketed)
-    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    setattr(dist, ag, _counting(getattr(dist, ag), _AG))
-
     def prefetch(m, bucket):
         f = shmap.shard_map(_fsdp_prefetch_body, mesh=m, in_specs=(P("i"), P("i")), out_specs=P())
         prev = shmap.configure_distributed(bucket_bytes=bucket) if m.is_distributed else None
@@ -222,7 +231,7 @@ def run_cases():
     for bucket, expect in ((1, N_WEIGHTS), (1 << 20, 1), (16 * 16 * 8 // world * 3, 2)):
         value, grads, count, n = prefetch(mesh, bucket)
         if n != ref_n or count != expect:
-            fails.append(f"FSDP prefetch bucket_bytes={bucket}: {count} gloo all_gathers (expected {expect}), "
+            fails.append(f"FSDP prefetch bucket_bytes={bucket}: {count} all_gathers (expected {expect}), "
                          f"comm_log {n} all_gathers (simulated {ref_n})")
         if not torch.allclose(value, ref_v, rtol=1e-12, atol=1e-14):
             fails.append(f"FSDP prefetch bucket_bytes={bucket}: the loss differs from the simulated mesh's")
@@ -247,7 +256,7 @@ def run_cases():
         ref_t, _ = tp(s2)
         grads, count = tp(m2)
         if count != 2:
-            fails.append(f"2x2 mesh: {count} gloo all_reduces in the backward pass, expected 2 (h's psum over j, read "
+            fails.append(f"2x2 mesh: {count} reductions in the backward pass, expected 2 (h's psum over j, read "
                          "at once; one bucket over i for w2, w_row, w_col and w1)")
         if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref_t)):
             fails.append("2x2 mesh: gradients differ from the simulated mesh's")
@@ -284,12 +293,15 @@ def run_cases():
 
 
 def recipe_step_collectives(mesh_flags):
-    """{mesh: [(torch.distributed call, elements)]}: what one training step of the recipe (tiny model)
-    puts on the wire, per mesh."""
+    """{mesh: [(shmap collective, torch.distributed call, elements)]}: what one training step of the
+    recipe (tiny model) puts on the wire, per mesh.  The shmap collective is the kind whose launch made
+    the call (a small reduction travels as an all_gather, see transports.gathered_reduce); None for a
+    call of the guard's own (a signature exchange)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from shmap.backends import transports
     from shmap.train import loop
     from tests.train.tiny import tiny
 
@@ -297,6 +309,18 @@ def recipe_step_collectives(mesh_flags):
                          "all_gather_into_tensor") if hasattr(dist, n)]
     pg_all_reduce = dist.ProcessGroup.allreduce  # (shmap launches all_reduces on the process group)
     descriptor = dist.ProcessGroup.__dict__["allreduce"]  # (the class attribute itself, to put back)
+    start = transports._start
+    current = [None]
+
+    def starting(g, kind, shape, dtype, launch, *args, **kwargs):
+        def launched(pg):
+            current[0] = kind
+            try:
+                return launch(pg)
+            finally:
+                current[0] = None
+        return start(g, kind, shape, dtype, launched, *args, **kwargs)
+
     out = {}
     for flag in mesh_flags:
         run = loop.Run(tiny(flag))
@@ -306,21 +330,23 @@ def recipe_step_collectives(mesh_flags):
 
         def counting(name):
             def call(*args, **kwargs):
-                calls.append((name, args[0].numel()))
+                calls.append((current[0], name, args[0].numel()))
                 return real[name](*args, **kwargs)
             return call
 
         def counting_all_reduce(pg, tensors, *args):
-            calls.append(("all_reduce", tensors[0].numel()))
+            calls.append((current[0], "all_reduce", tensors[0].numel()))
             return pg_all_reduce(pg, tensors, *args)
         for n in names:
             setattr(dist, n, counting(n))
         dist.ProcessGroup.allreduce = counting_all_reduce
+        transports._start = starting
         try:
             run.step(params, opt, 1)
         finally:
             for n in names:
                 setattr(dist, n, real[n])
             dist.ProcessGroup.allreduce = descriptor
+            transports._start = start
         out[flag] = calls
     return out

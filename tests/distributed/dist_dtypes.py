@@ -126,6 +126,23 @@ def every_collective_every_dtype(transport="gloo"):
     return bad
 
 
+def rounding_sums():
+    """Random float32 and float64 blocks, whose sums round at every addition: a small psum or pmean (an
+    all_gather reduced on each rank, see transports.gathered_reduce) gives the simulated mesh's bits on
+    4 ranks too, over one axis and over two (a ring all_reduce adds in another order)."""
+    bad = []
+    for shape, names, axes, spec in [((4,), ("i",), "i", P("i")), ((2, 2), ("i", "j"), ("j", "i"), P(("j", "i"))),
+                                     ((2, 2), ("i", "j"), ("i", "j"), P(("i", "j")))]:
+        sim_mesh = shmap.make_mesh(shape, names, distributed=False)
+        dist_mesh = shmap.make_mesh(shape, names)
+        for dtype in (torch.float32, torch.float64):
+            x = sample(torch.float32, (8, 64), seed=7, exact=False).to(dtype) * 3.1
+            body = lambda v: (shmap.psum(v, axes), shmap.pmean(v * v, axes))  # noqa: E731
+            bad += _compare(f"{dtype} over {axes} (rounding sums)", _run(sim_mesh, body, spec, (P(), P()), x),
+                            _run(dist_mesh, body, spec, (P(), P()), x))
+    return bad
+
+
 def errors_and_unreduced():
     """Errors that must read the same on both meshes, and an implicitly unreduced output."""
     bad = []

@@ -31,14 +31,16 @@ def test_a_dp_training_step_reduces_every_gradient_in_one_bucket():
     results = shmap.spawn(dist_deferred.recipe_step_collectives, ["data=2"], nprocs=2, timeout=90)
     assert results[0] == results[1]
     loss_psum, *buckets = results[0]["data=2"]
-    assert loss_psum == ("all_reduce", 1 + 32)  # one element, and the signature trailer
-    assert len(buckets) == 1, f"gradient all_reduces {buckets}: expected one bucket"
+    # small, so gathered and summed on each rank: 2 rows of the float64 loss and its 8-byte signature
+    assert loss_psum[0] == "psum" and loss_psum[1].startswith("all_gather") and loss_psum[2] == 2 * (8 + 8)
+    assert [kind for kind, _, _ in buckets] == ["psum"], f"gradient reductions {buckets}: expected one bucket"
 
 
 L = 2  # layers of the tiny model
-#: gloo all_reduces of one recipe step on 4 processes: the program's synchronous psums, plus one per
-#: bucket of gradient reductions (one per group: the tiny model fits a first bucket)
-STEP_ALL_REDUCES = {
+#: reductions one recipe step puts on the wire on 4 processes (gloo all_reduces, or, small, all_gathers
+#: reduced on each rank): the program's synchronous psums, plus one per bucket of gradient reductions
+#: (one per group: the tiny model fits a first bucket)
+STEP_REDUCTIONS = {
     "data=4": 1 + 1,                    # the loss's pmean; the gradients
     "tensor=4": 2 * L + 2 * L + 1,      # row-parallel psums, their backward partners; the norm's psum
     "data=2,tensor=2": 1 + 2 * L + 2 * L + 1 + 1,  # + the data gradients' bucket; the norm's psum
@@ -49,10 +51,12 @@ STEP_ALL_REDUCES = {
 def test_training_steps_put_each_meshs_collectives_on_the_wire_once():
     """What reaches gloo per step, per mesh: a bucketing or flushing change that splits a bucket, or
     a psum issued twice, shows here (comm_log, the program's view, would not change)."""
-    results = shmap.spawn(dist_deferred.recipe_step_collectives, list(STEP_ALL_REDUCES), nprocs=4, timeout=120)
+    results = shmap.spawn(dist_deferred.recipe_step_collectives, list(STEP_REDUCTIONS), nprocs=4, timeout=120)
     assert all(r == results[0] for r in results)
-    for mesh, expect in STEP_ALL_REDUCES.items():
-        got = [n for kind, n in results[0][mesh] if kind == "all_reduce"]
-        assert len(got) == expect, f"{mesh}: {len(got)} all_reduces of {got} elements, expected {expect}"
-    fsdp = [kind for kind, _ in results[0]["fsdp=2,tensor=2"] if kind != "all_reduce"]
-    assert len(fsdp) == 2, f"fsdp=2,tensor=2: {fsdp}, expected one all_gather (the weights) and one reduce-scatter"
+    for mesh, expect in STEP_REDUCTIONS.items():
+        assert all(kind is not None for kind, _, _ in results[0][mesh]), f"{mesh}: {results[0][mesh]}"
+        got = [(call, n) for kind, call, n in results[0][mesh] if kind in ("psum", "pmax", "pmin")]
+        assert len(got) == expect, f"{mesh}: {len(got)} reductions {got}, expected {expect}"
+    fsdp = [kind for kind, _, _ in results[0]["fsdp=2,tensor=2"] if kind not in ("psum", "pmax", "pmin")]
+    assert fsdp == ["all_gather", "psum_scatter"], (
+        f"fsdp=2,tensor=2: {fsdp}, expected one all_gather (the weights) and one reduce-scatter")

@@ -27,6 +27,11 @@ def test_every_collective_and_dtype_matches_the_simulated_mesh(transport):
     assert all(r == results[0] for r in results)
 
 
+def test_small_floating_sums_equal_the_simulated_meshs_bits_on_4_ranks():
+    results = shmap.spawn(dist_dtypes.rounding_sums, nprocs=4, timeout=60)
+    assert results[0] == [], "\n".join(results[0])
+
+
 def test_errors_and_implicit_unreduced_output_match():
     results = shmap.spawn(dist_dtypes.errors_and_unreduced, nprocs=4, timeout=60)
     for r, bad in enumerate(results):

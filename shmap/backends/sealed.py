@@ -1,0 +1,110 @@
+"""Signatures in the payload: the default mismatch check, with no message of its own.
+
+Each collective of the distributed mesh carries the signature of the call
+each rank made (kind, shape, dtype, count; `signatures.Seal`) inside the
+data it moves: a reduction as a trailer of 0/1 pairs that any reduction
+keeps readable, moved data as 8 bytes appended to each row.  These build the
+sealed buffers the transports (`transports.py`) launch and read back.
+"""
+from __future__ import annotations
+
+import torch
+
+from .groups import Group
+from .signatures import SEAL_BITS, Seal, reduce_trailer, sealable
+
+
+def _sealing(g: Group) -> bool:
+    """Whether this group's collectives carry their signature in their payload (default mode, gloo)."""
+    return g._backend.watch.sealing() and g.pg() is not None and g.gloo
+
+
+def _sealed_reduce(src, dtype, g: Group, kind):
+    """(buffer, data view, seal) for a reduction of `src` in `dtype`: the buffer is the data (a fresh
+    copy of `src`) followed by the signature trailer, built by one `cat`; reduce the buffer, read the
+    view.  `src` may be a list of 1-D tensors (a bucket): their concatenation, copied once."""
+    parts = src if isinstance(src, list) else None
+    if parts is not None:
+        src = parts[0]
+        shape = (sum(p.numel() for p in parts),)
+    else:
+        shape = src.shape
+    if not (_sealing(g) and sealable(dtype, g.n)):
+        if parts is not None:
+            out = torch.cat([p.to(dtype) for p in parts])
+        else:
+            out = src.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        return out, out, None
+    h = g._backend.watch.next_signature16(kind, g.axes, shape, src.dtype)
+    lo, hi, expect = reduce_trailer(h, dtype)
+    if not src.is_cpu:
+        lo, hi = lo.to(src.device), hi.to(src.device)
+    if parts is None:
+        parts = [src if src.dim() == 1 else src.reshape(-1)]
+    buf = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts] + [lo, hi])
+    # as_strided: the cheapest way to the two views (this runs on every collective)
+    m = buf.numel() - 2 * SEAL_BITS
+    out = buf.as_strided(shape, _contiguous_strides(shape))
+    return buf, out, Seal("reduce", None, buf.as_strided((2 * SEAL_BITS,), (1,), m), expect)
+
+
+_STRIDES: dict = {}
+
+
+def _contiguous_strides(shape) -> tuple:
+    st = _STRIDES.get(shape)
+    if st is None:
+        acc, st = 1, []
+        for d in reversed(shape):
+            st.append(acc)
+            acc *= max(d, 1)
+        st = tuple(reversed(st))
+        if len(_STRIDES) < 1024:
+            _STRIDES[shape] = st
+    return st
+
+
+def _sealed_reduce_rows(inp, n, g: Group):
+    """As `_sealed_reduce` for a reduce-scatter of the flat `inp` ([n] rows): (input, output, output's
+    data view, seal), each row carrying the trailer."""
+    m = inp.numel() // n
+    big = inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
+    if big or not (_sealing(g) and sealable(inp.dtype, g.n)):
+        inp = inp.contiguous()
+        out = inp.new_empty(m)
+        return inp, out, out, None
+    k = 2 * SEAL_BITS
+    rows = inp.new_empty((n, m + k))
+    rows[:, :m].copy_(inp.view(n, m))
+    out = inp.new_empty(m + k)
+    return rows.view(-1), out, out[:m], Seal("reduce", rows[:, m:], out[m:])
+
+
+#: above this many bytes moved per rank, a collective that moves data (rather than reducing it) checks
+#: its signature with a separate exchange running alongside it instead of copying its blocks in and out
+#: of a sealed layout
+_SEAL_BYTES_LIMIT = 256 << 10
+
+
+def _sealed_bytes(rows, g: Group, kind, shape, dtype, extra):
+    """Rows moved as they are (all_gather, all_to_all, ppermute): (`rows` ([r, ...]) as bytes with the
+    8-byte signature of the collective about to run (kind, shape, dtype, extra as `_run` gets them)
+    appended to each row, the data bytes per row, the signature as a list); (None, 0, None) when the
+    payload carries no signature.  The caller makes the output of the same layout, the `Seal` over
+    both, and reads the data back with `_unseal_bytes`."""
+    if not _sealing(g) or rows.numel() * rows.element_size() * g.n > _SEAL_BYTES_LIMIT:
+        return None, 0, None
+    r = rows.shape[0]
+    b = rows.contiguous().view(-1)  # 1-D with stride 1 (a size-1 dimension may carry any stride)
+    b = (b.view(torch.uint8) if b.dtype != torch.uint8 else b).view(r, -1)
+    sig = g._backend.watch.next_signature_bytes(kind, g.axes, shape, dtype, extra)
+    st = torch.frombuffer(bytearray(sig), dtype=torch.uint8)
+    if not b.is_cpu:
+        st = st.to(b.device)
+    send = torch.cat([b, st.expand(r, 8)], dim=1)  # one op: the copy and the signature
+    return send, b.shape[1], list(sig)
+
+
+def _unseal_bytes(out, nb, dtype, shape):
+    """The data of a sealed output buffer ([r, nb + 8] bytes) as a contiguous tensor of `dtype`, `shape`."""
+    return out[..., :nb].contiguous().view(dtype).view(shape)
