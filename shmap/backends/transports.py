@@ -157,7 +157,12 @@ def gathered_reduce(g: Group, nbytes) -> bool:
     """Whether a reduction of `nbytes` a rank over `g` runs as `_launch_gathered_reduce`: in the default
     mode on gloo, when every rank's blocks together fit a sealed all_gather (256 KiB).  (The traced
     twin asks the same: compiled and eager move the same bytes.)"""
-    return _sealing(g) and nbytes * g.n <= _SEAL_BYTES_LIMIT
+    return _sealing(g) and nbytes * g.n <= _GATHERED_REDUCE_LIMIT
+
+
+#: a reduction moving at most this many bytes over all ranks travels as an all_gather (above it, the ring's
+#: bandwidth wins)
+_GATHERED_REDUCE_LIMIT = 256 << 10
 
 
 def _launch_gathered_reduce(x, g: Group, kind, shape, head):
