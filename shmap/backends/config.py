@@ -35,7 +35,7 @@ _OPTIONS = {
     "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
     "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
     "bucket_bytes": int(os.environ.get("SHMAP_BUCKET_BYTES") or 25 << 20),
-    "first_bucket_bytes": int(os.environ.get("SHMAP_FIRST_BUCKET_BYTES") or 1 << 20),
+    "first_bucket_bytes": int(os.environ.get("SHMAP_FIRST_BUCKET_BYTES") or 0) or "auto",
     "poll": 0.25,
     "exit_grace": 2.0,
 }
@@ -55,7 +55,7 @@ def register_transport(name: str, factory):
 
 def configure_distributed(*, check_collectives: bool | None = None, timeout: float | None = None,
                           transport: str | None = None, bucket_bytes: int | None = None,
-                          first_bucket_bytes: int | None = None) -> dict:
+                          first_bucket_bytes: int | str | None = None) -> dict:
     """Set how distributed collectives are guarded; returns the previous settings.
 
     - `check_collectives`: how ranks running different programs are caught
@@ -87,14 +87,19 @@ def configure_distributed(*, check_collectives: bool | None = None, timeout: flo
       collective each).  See `backends/deferred.py`.
     - `first_bucket_bytes`: the first reduction bucket of each backward pass
       (per group, kind and dtype) holds at most this many bytes, so the wire
-      starts early (default 1 MiB, DDP's first bucket; env
-      `SHMAP_FIRST_BUCKET_BYTES`; never more than `bucket_bytes`).
+      starts early (env `SHMAP_FIRST_BUCKET_BYTES`; never more than
+      `bucket_bytes`).  `'auto'`, the default: 1 MiB (DDP's first bucket) on
+      NCCL; on gloo none, every bucket `bucket_bytes` (see
+      `deferred.first_bucket_bytes` for the measurement).
     Must be set identically on every rank.
     """
     prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport", "bucket_bytes",
                                      "first_bucket_bytes")}
     for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
         if value is None:
+            continue
+        if name == "first_bucket_bytes" and value == "auto":
+            _OPTIONS[name] = value
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"configure_distributed: {name} must be a positive int, got {value!r}. "

@@ -13,10 +13,11 @@ checked as for any other) and then reads the result.
 Both are also *bucketed*: cotangents of one group, kind and dtype gather in
 a `Bucket` until it holds at least `bucket_bytes`, and one collective reduces
 them all; 29 small all_reduces cost a step about four times the time of one
-big one on gloo.  As DDP's, a pass's first bucket is small
+big one on gloo.  As DDP's, a pass's first bucket is small on NCCL
 (`first_bucket_bytes`, 1 MiB), so the wire starts while the last layers'
 backward still runs, and the later ones large (25 MiB): each collective has a
-fixed cost, and on a CPU the overlap of many small ones buys little.  A bucket
+fixed cost, and on a CPU the overlap of many small ones buys little (on gloo
+no first bucket is smaller: `first_bucket_bytes`).  A bucket
 launches when it is full, when any of its values is read, or when the
 backward pass ends (a read launches its own bucket only: a tensor-parallel
 activation's psum is read at once, mid-pass, and must not launch the FSDP
@@ -166,6 +167,21 @@ _OPEN: dict = {}
 _STARTED: list = [None, set()]
 
 
+def first_bucket_bytes(g):
+    """The cap of a backward pass's first bucket over group `g`, or None for none smaller than the rest.
+
+    `'auto'` (the default): DDP's 1 MiB where the wire runs beside the
+    compute (NCCL), none on gloo, where the processes' own threads move
+    the data: there an early launch overlapped too little to pay for one
+    more collective (the recipe's step on 2 and 4 processes, interleaved:
+    a small first bucket cost 2-3% on fsdp and 0-3% on data).
+    """
+    first = _OPTIONS["first_bucket_bytes"]
+    if first == "auto":
+        return None if g.gloo else 1 << 20
+    return first
+
+
 class Bucket:
     """Cotangents of one group, kind and dtype reduced by one collective (see the module docstring).
 
@@ -187,13 +203,14 @@ class Bucket:
         # A small first bucket starts the wire while the pass's last layers still run.  A traced
         # launch completes where it is launched (see the module docstring): there an early launch
         # overlaps nothing and would only add a wait, so the pass's gradients share full buckets.
-        if kind != "all_gather" and not tracing():
+        first = first_bucket_bytes(g)
+        if first is not None and kind != "all_gather" and not tracing():
             task = torch._C._current_graph_task_id()
             if _STARTED[0] != task:
                 _STARTED[:] = [task, set()]
             if key not in _STARTED[1]:  # this pass's first bucket of its group, kind and dtype: a small one
                 _STARTED[1].add(key)
-                self.cap = min(self.cap, _OPTIONS["first_bucket_bytes"])
+                self.cap = min(self.cap, first)
 
     def add(self, part, shape, dtype, gathered=None) -> Deferred:
         i = len(self.parts)

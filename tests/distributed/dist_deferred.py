@@ -2,7 +2,7 @@
 
 `run_cases` checks, on every rank, that a data-parallel backward pass
 - gives the simulated mesh's gradients, bucketed or not (`bucket_bytes`);
-- opens each backward pass with a small first bucket (`first_bucket_bytes`), as DDP;
+- opens each backward pass with a small first bucket when `first_bucket_bytes` sets one, as DDP;
 - sums several weights' gradients in one all_reduce (DP) or reduce-scatter
   (FSDP), while comm_log still reports one psum / psum_scatter per weight;
 - launches its reductions before the backward pass ends (overlap);

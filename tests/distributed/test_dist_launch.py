@@ -122,10 +122,18 @@ def test_configure_distributed_validates_and_returns_the_previous_settings():
         assert shmap.configure_distributed(check_collectives=False)["check_collectives"] == "strict"
         with pytest.raises(ValueError, match="check_collectives"):
             shmap.configure_distributed(check_collectives="sometimes")
-        # DDP's defaults: 25 MiB buckets, a backward pass's first one 1 MiB
+        # Defaults: 25 MiB buckets (DDP's); a backward pass's first one by transport ('auto': DDP's
+        # 1 MiB on NCCL, on gloo no smaller than the rest)
         got = shmap.configure_distributed(bucket_bytes=4096, first_bucket_bytes=1024)
-        assert (got["bucket_bytes"], got["first_bucket_bytes"]) == (25 << 20, 1 << 20)
-        assert shmap.configure_distributed()["first_bucket_bytes"] == 1024
+        assert (got["bucket_bytes"], got["first_bucket_bytes"]) == (25 << 20, "auto")
+        assert shmap.configure_distributed(first_bucket_bytes="auto")["first_bucket_bytes"] == 1024
+        from types import SimpleNamespace
+
+        from shmap.backends.deferred import first_bucket_bytes
+        assert first_bucket_bytes(SimpleNamespace(gloo=True)) is None
+        assert first_bucket_bytes(SimpleNamespace(gloo=False)) == 1 << 20
+        shmap.configure_distributed(first_bucket_bytes=4096)  # a setting holds on every transport
+        assert first_bucket_bytes(SimpleNamespace(gloo=True)) == first_bucket_bytes(SimpleNamespace(gloo=False)) == 4096
         for bad in (0, -1, 1.5, True, "1MiB"):
             with pytest.raises(ValueError, match=r"first_bucket_bytes must be a positive int.*Fix"):
                 shmap.configure_distributed(first_bucket_bytes=bad)
