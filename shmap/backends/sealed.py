@@ -82,12 +82,11 @@ def _sealed_reduce_rows(inp, n, g: Group):
 
 #: above this many bytes over all ranks (an all_gather's output), a collective that moves data or
 #: reduce-scatters checks its signature with a separate exchange running alongside it instead of copying
-#: its blocks in and out of a sealed layout.  The copies cost memory bandwidth, the exchange a message
-#: on the control group in flight beside the data: on a loaded CPU that is one more thread to wake per
-#: collective.  The recipe's fsdp step (3.5 MB of weights gathered, two reduce-scatter buckets) ran
-#: 0.91x -> 0.96x FSDP2 on 2 gloo processes and 0.85x -> 0.88x on 4 with everything sealed (limit
-#: 256 KiB -> unlimited, bench/bench_train.py, one run each); 16 MiB keeps the copies of huge payloads out.
-_SEAL_BYTES_LIMIT = 16 << 20
+#: its blocks in and out of a sealed layout.  The copies cost memory bandwidth, the exchange one more
+#: message on the control group beside the data.  Sealing up to 16 MiB instead: the recipe's fsdp step
+#: (3.5 MB of weights gathered) 1.7% slower on 2 gloo processes and 1.8% faster on 4 (interleaved A/B,
+#: 20 steps each), and a 1 MiB all_gather 1.65x raw instead of about 1.1x (bench/bench_distributed.py).
+_SEAL_BYTES_LIMIT = 256 << 10
 
 
 def _sealed_bytes(rows, g: Group, kind, shape, dtype, extra):
@@ -107,6 +106,17 @@ def _sealed_bytes(rows, g: Group, kind, shape, dtype, extra):
         st = st.to(b.device)
     send = torch.cat([b, st.expand(r, 8)], dim=1)  # one op: the copy and the signature
     return send, b.shape[1], list(sig)
+
+
+def _unsealed_rows(out, nb, dtype, n):
+    """The data of a sealed output buffer ([n, nb + 8] bytes) as [n, nb / itemsize] of `dtype`: a view
+    of the buffer (no copy of n blocks) where the strides allow it (the rows stay nb + 8 bytes apart),
+    else a contiguous copy."""
+    data = out[:, :nb]
+    try:
+        return data.view(dtype)
+    except RuntimeError:  # a row stride that is not a whole number of elements (e.g. complex128)
+        return data.contiguous().view(dtype).view(n, -1)
 
 
 def _unseal_bytes(out, nb, dtype, shape):

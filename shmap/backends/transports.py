@@ -11,7 +11,8 @@ import math
 import torch
 
 from .groups import Group, _dist
-from .sealed import _SEAL_BYTES_LIMIT, _sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes
+from .sealed import (_SEAL_BYTES_LIMIT, _sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes,
+                     _unsealed_rows)
 from .signatures import Seal
 from . import traced
 from .traced import tracing
@@ -278,12 +279,12 @@ def _launch_gather_rows(x, g: Group, kind, extra=""):
             got = send.new_empty((g.n, nb + 8))
             flight = _start(g, kind, x.shape, x.dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
                             seal=Seal("bytes", None, got[:, nb:], expect))
-            read = lambda: _unseal_bytes(got, nb, flat.dtype, (g.n, flat.numel()))  # noqa: E731
+            read = lambda: _unsealed_rows(got, nb, flat.dtype, g.n)  # noqa: E731
 
     def result():
         out = read()
-        if out.dtype != x.dtype:
-            out = out.view(x.dtype)
+        if out.dtype != x.dtype:  # (bytes of a dtype the wire lacks)
+            out = out.contiguous().view(x.dtype)
         if g.g2t is not None:
             out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
         return out.view(g.n, *x.shape)

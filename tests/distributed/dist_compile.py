@@ -371,7 +371,7 @@ def strict_mismatch():
 
 
 def alongside_mismatch():
-    """Default checks, a compiled all_gather too large for a signature in its payload (16.4 MiB in all),
+    """Default checks, a compiled all_gather too large for a signature in its payload (512 KiB in all),
     gathered along another axis on rank 1: the same bytes move, and the signature exchange that ran
     alongside them reports the mismatch on every rank (as eagerly; the world cannot go on after data
     moved under a mismatch).  Returns the message."""
@@ -380,7 +380,7 @@ def alongside_mismatch():
     f = torch.compile(shmap.shard_map(lambda v: shmap.all_gather(v, "i", axis=axis, tiled=True), mesh=mesh,
                                       in_specs=P("i"), out_specs=P("i")), fullgraph=True, backend="aot_eager")
     try:
-        f(torch.ones(4200, 1024))  # each rank's block: 2100 x 1024 float32, 8.2 MiB; the gather moves 2 of them
+        f(torch.ones(1024, 128))  # each rank's block: 512 x 128 float32 = 256 KiB; the gather moves 2 of them
     except shmap.CollectiveMismatchError as e:
         return str(e)
     return "not raised"
