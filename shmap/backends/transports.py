@@ -10,9 +10,9 @@ import math
 
 import torch
 
+from . import sealed
 from .groups import Group, _dist
-from .sealed import (_SEAL_BYTES_LIMIT, _sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes,
-                     _unsealed_rows)
+from .sealed import _sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes, _unsealed_rows
 from .signatures import Seal
 from . import traced
 from .traced import tracing
@@ -156,14 +156,11 @@ def _launch_all_reduce(x, g: Group, kind):
 # --------------------------------------------------------------------------
 def gathered_reduce(g: Group, nbytes) -> bool:
     """Whether a reduction of `nbytes` a rank over `g` runs as `_launch_gathered_reduce`: in the default
-    mode on gloo, when every rank's blocks together fit a sealed all_gather (256 KiB).  (The traced
-    twin asks the same: compiled and eager move the same bytes.)"""
-    return _sealing(g) and nbytes * g.n <= _GATHERED_REDUCE_LIMIT
-
-
-#: a reduction moving at most this many bytes over all ranks travels as an all_gather (above it, the ring's
-#: bandwidth wins)
-_GATHERED_REDUCE_LIMIT = 256 << 10
+    mode on gloo, over 3 or more positions, when every rank's blocks together fit a sealed all_gather
+    (256 KiB; above it the ring's bandwidth wins).  Two positions keep the all_reduce: a + b is b + a,
+    and there the gather's extra copies cost more than the steps it saves.  (The traced twin asks the
+    same: compiled and eager move the same bytes.)"""
+    return g.n > 2 and _sealing(g) and nbytes * g.n <= sealed._SEAL_BYTES_LIMIT
 
 
 def _launch_gathered_reduce(x, g: Group, kind, shape, head):
@@ -178,7 +175,10 @@ def _launch_gathered_reduce(x, g: Group, kind, shape, head):
     on 2 processes and 5.9 ms on 4, against 0.27 and 1.2 ms for an
     unsealed one; an all_gather of the same bytes takes 0.37 and 3.5-4 ms,
     up to 256 KiB a rank (`/tmp` timings of raw calls after 1 ms of compute,
-    medians of 100 interleaved rounds; this project's 2-core machine).  The
+    medians of 100 interleaved rounds; this project's 2-core machine).
+    Through shmap, A/B in one run: a psum of 4 B to 64 KiB a rank about
+    20% faster on 4 processes (3.7-4.3 against 4.8-5.7 ms); on 2, where the
+    call's own path is most of its 0.65 ms, 1-6% slower (so 2 keep the ring).  The
     signature check is the all_gather's exact 8 bytes a row, and every rank
     reduces the same rows in the same order: the same bits everywhere, and
     the simulated mesh's (16-bit floats summed in float32 and rounded once,

@@ -129,7 +129,9 @@ def every_collective_every_dtype(transport="gloo"):
 def rounding_sums():
     """Random float32 and float64 blocks, whose sums round at every addition: a small psum or pmean (an
     all_gather reduced on each rank, see transports.gathered_reduce) gives the simulated mesh's bits on
-    4 ranks too, over one axis and over two (a ring all_reduce adds in another order)."""
+    4 ranks too, over one axis and over two (a ring all_reduce adds in another order); compiled, too."""
+    import torch._dynamo
+
     bad = []
     for shape, names, axes, spec in [((4,), ("i",), "i", P("i")), ((2, 2), ("i", "j"), ("j", "i"), P(("j", "i"))),
                                      ((2, 2), ("i", "j"), ("i", "j"), P(("i", "j")))]:
@@ -138,8 +140,15 @@ def rounding_sums():
         for dtype in (torch.float32, torch.float64):
             x = sample(torch.float32, (8, 64), seed=7, exact=False).to(dtype) * 3.1
             body = lambda v: (shmap.psum(v, axes), shmap.pmean(v * v, axes))  # noqa: E731
-            bad += _compare(f"{dtype} over {axes} (rounding sums)", _run(sim_mesh, body, spec, (P(), P()), x),
-                            _run(dist_mesh, body, spec, (P(), P()), x))
+            sim = _run(sim_mesh, body, spec, (P(), P()), x)
+            bad += _compare(f"{dtype} over {axes} (rounding sums)", sim, _run(dist_mesh, body, spec, (P(), P()), x))
+            if axes == "i":  # compiled: the graph gathers and reduces as eagerly
+                f = torch.compile(shmap.shard_map(body, mesh=dist_mesh, in_specs=spec, out_specs=(P(), P())),
+                                  fullgraph=True, backend="aot_eager")
+                got = tuple(o.full_tensor() for o in f(x))
+                if not all(torch.equal(a, b) for a, b in zip(got, sim[0])):
+                    bad.append(f"{dtype} over {axes} (rounding sums, compiled): differs from the simulated mesh")
+                torch._dynamo.reset()
     return bad
 
 
