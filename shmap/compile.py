@@ -76,8 +76,9 @@ Where this differs from eager (weaker, or slower):
   collective completes where the graph launches it; eagerly it is read
   last, overlapping the rest of the backward pass.  So a traced pass does
   not open a small first bucket (whose early launch would overlap nothing
-  and add a wait): its gradients share full buckets, fewer collectives
-  than eagerly (the recipe's small models: one per pass).
+  and add a wait): its gradients share full buckets (the recipe's small
+  models: one collective per pass; on gloo eagerly too, see
+  `first_bucket_bytes`).
 - A process group for a new axis tuple is created while tracing, before
   any signature check (eagerly: after the first one); the groups of meshes
   of up to 3 axes exist from `make_mesh` on anyway.

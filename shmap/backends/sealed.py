@@ -1,4 +1,4 @@
-"""Signatures in the payload: the default mismatch check, with no message of its own.
+"""Signatures in the payload: the default mismatch check, which sends no message of its own.
 
 Each collective of the distributed mesh carries the signature of the call
 each rank made (kind, shape, dtype, count; `signatures.Seal`) inside the
