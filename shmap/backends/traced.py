@@ -152,7 +152,7 @@ def _begin_impl(like, after, spec):
     pending = w.begin(s.kind, s.axes, s.shape, s.dtype, s.extra, exchange=s.seal is None)
     if pending is not None:
         if w.overlapping():  # default mode: the exchange runs alongside the data, checked by coll_wait
-            _ALONGSIDE.setdefault(spec, []).append(pending)
+            _ALONGSIDE[spec] = pending  # (replacing one a failed collective left behind)
         else:
             w.verify(pending)  # strict: before the data moves
     if s.seal is None:
@@ -166,9 +166,9 @@ def _begin_impl(like, after, spec):
     return t if like.is_cpu else t.to(like.device)
 
 
-#: spec -> the signature exchanges `coll_begin` launched alongside their collectives' data (default
-#: mode, a payload with no room for the signature), each checked by its `coll_wait`, as eagerly
-#: (`transports.InFlight.finish`)
+#: spec -> the signature exchange `coll_begin` launched alongside its collective's data (default mode,
+#: a payload with no room for the signature), checked by the `coll_wait` that follows, as eagerly
+#: (`transports.InFlight.finish`); a traced collective completes before the next begins
 _ALONGSIDE: dict = {}
 
 
@@ -192,8 +192,7 @@ def _wait_impl(out, sent, spec):
     """The watched wait for `out`; then the trailers received must equal the one sent."""
     s = _get(spec)
     w = _watch()
-    alongside = _ALONGSIDE.get(spec)
-    pending = alongside.pop(0) if alongside else None
+    pending = _ALONGSIDE.pop(spec, None)
     # A helper thread waits (wait_tensor takes no timeout); this one watches the store and the clock.
     w.wait(_TensorWork(out), None, s.ranks, gloo=s.gloo, blocking=True)
     w.verify(pending, moved=True)
