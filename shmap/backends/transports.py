@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from . import sealed
 from .groups import Group, _dist
-from .sealed import _sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes, _unsealed_rows
+from .sealed import (_SEAL_BYTES_LIMIT, _sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes,
+                     _unsealed_rows)
 from .signatures import Seal
 from . import traced
 from .traced import tracing
@@ -142,8 +142,8 @@ def _launch_all_reduce(x, g: Group, kind):
         x = torch.cat(x) if isinstance(x, list) else x
         out = x.to(dtype=wire or x.dtype, memory_format=torch.contiguous_format, copy=True)
         _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_reduce(out, out=out))
-    elif gathered_reduce(g, math.prod(shape) * head.element_size()):
-        return _launch_gathered_reduce(x, g, kind, shape, head)
+    elif g.shm(head) is None and gathered_reduce(g, math.prod(shape) * head.element_size()):
+        return _launch_gathered_reduce(x, g, kind)  # (pmax/pmin stay off a shared-memory transport)
     else:
         op = dist.ReduceOp.SUM if kind == "psum" else dist.ReduceOp.MAX if kind == "pmax" else dist.ReduceOp.MIN
         buf, out, seal = _sealed_reduce(x, wire or head.dtype, g, kind)  # a fresh copy (+ the signature trailer)
@@ -160,10 +160,10 @@ def gathered_reduce(g: Group, nbytes) -> bool:
     (256 KiB; above it the ring's bandwidth wins).  Two positions keep the all_reduce: a + b is b + a,
     and there the gather's extra copies cost more than the steps it saves.  (The traced twin asks the
     same: compiled and eager move the same bytes.)"""
-    return g.n > 2 and _sealing(g) and nbytes * g.n <= sealed._SEAL_BYTES_LIMIT
+    return g.n > 2 and _sealing(g) and nbytes * g.n <= _SEAL_BYTES_LIMIT
 
 
-def _launch_gathered_reduce(x, g: Group, kind, shape, head):
+def _launch_gathered_reduce(x, g: Group, kind):
     """A small reduction as an all_gather of every position's block, each row sealed with the
     reduction's signature (kind, shape, dtype), then reduced here in position order by
     `reduce_rows`, the simulated mesh's own reduction.
@@ -179,25 +179,15 @@ def _launch_gathered_reduce(x, g: Group, kind, shape, head):
     Through shmap, A/B in one run: a psum of 4 B to 64 KiB a rank about
     20% faster on 4 processes (3.7-4.3 against 4.8-5.7 ms); on 2, where the
     call's own path is most of its 0.65 ms, 1-6% slower (so 2 keep the ring).  The
-    signature check is the all_gather's exact 8 bytes a row, and every rank
+    signature check is the all_gather's exact 8 bytes a row (gathered by
+    `_launch_gather_rows`, as the traced twin uses `gather_rows`), and every rank
     reduces the same rows in the same order: the same bits everywhere, and
     the simulated mesh's (16-bit floats summed in float32 and rounded once,
     integers wrapping in their own dtype).
     """
-    flat = torch.cat([p.reshape(-1) for p in x]) if isinstance(x, list) else x.reshape(-1)
-    send, nb, expect = _sealed_bytes(flat.reshape(1, -1), g, kind, shape, head.dtype, "")
-    got = send.new_empty((g.n, nb + 8))
-    fn = getattr(_dist(), "all_gather_single", None) or _dist().all_gather_into_tensor
-    flight = _start(g, kind, shape, head.dtype, lambda pg: fn(got, send, group=pg, async_op=True),
-                    seal=Seal("bytes", None, got[:, nb:], expect))
-
-    def result():
-        rows = _unseal_bytes(got, nb, flat.dtype, (g.n, flat.numel()))
-        if g.g2t is not None:  # process-group rank order -> position order
-            rows = rows.index_select(0, torch.tensor(g.t2g, device=rows.device))
-        return reduce_rows(rows, kind).view(shape)
-
-    return flight, result
+    x = torch.cat(x) if isinstance(x, list) else x  # (a bucket: its signature names the concatenation)
+    flight, rows = _launch_gather_rows(x, g, kind)  # sealed: `gathered_reduce` asked that it fits
+    return flight, lambda: reduce_rows(rows(), kind)
 
 
 def reduce_rows(rows, kind):

@@ -123,6 +123,19 @@ def _gloo_ops(fn):
     return {e.key[5:]: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
 
 
+def _tanh_layers(h, ws):
+    for w in ws:
+        h = torch.tanh(h @ w)
+    return h
+
+
+def _weights_and_input(n, seed):
+    """`n` 16x16 float64 weights and an (8, 16) input, from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    ws = [0.3 * torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(n)]
+    return ws, torch.randn(8, 16, generator=g, dtype=torch.float64)
+
+
 def bucketed():
     """Six replicated weights (DP: each gradient's psum) and two sharded ones (FSDP: gathered ahead of use;
     each gradient a psum_scatter): the compiled graphs move them in one all_gather (forward), one
@@ -131,17 +144,12 @@ def bucketed():
     mesh = shmap.make_mesh((2,), ("i",))
 
     def body(ws, vs, x):
-        h = x
-        for w in ws:
-            h = torch.tanh(h @ w)
-        for v in [shmap.all_gather(v, "i", tiled=True) for v in vs]:  # gathered ahead, as the recipe does
-            h = torch.tanh(h @ v)
+        h = _tanh_layers(x, ws)
+        h = _tanh_layers(h, [shmap.all_gather(v, "i", tiled=True) for v in vs])  # gathered ahead, as the recipe
         return shmap.psum((h * h).sum(), "i")
 
     f = shmap.shard_map(body, mesh=mesh, in_specs=([P()] * 6, [P("i")] * 2, P("i")), out_specs=P())
-    g = torch.Generator().manual_seed(3)
-    ws = [0.3 * torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(8)]
-    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    ws, x = _weights_and_input(8, seed=3)
 
     def run(fn):
         leaves = [w.detach().requires_grad_() for w in ws]
@@ -179,15 +187,11 @@ def full_buckets():
     mesh = shmap.make_mesh((2,), ("i",))
 
     def body(ws, x):
-        h = x
-        for w in ws:
-            h = torch.tanh(h @ w)
+        h = _tanh_layers(x, ws)
         return (h * h).sum().reshape(1)  # each rank's share: the backward's psums are its only collectives
 
     f = shmap.shard_map(body, mesh=mesh, in_specs=([P()] * 6, P("i")), out_specs=P("i"))
-    g = torch.Generator().manual_seed(5)
-    ws = [0.3 * torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(6)]
-    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    ws, x = _weights_and_input(6, seed=5)
 
     def run(fn):
         leaves = [w.detach().requires_grad_() for w in ws]
@@ -204,6 +208,7 @@ def full_buckets():
         eager_ops, compiled_ops = _gloo_ops(lambda: run(f)), _gloo_ops(lambda: run(cf))
     finally:
         shmap.configure_distributed(first_bucket_bytes=prev["first_bucket_bytes"])
+
     def reductions(ops):  # (nothing else here moves data: the weights are replicated, x needs no gradient)
         return ops.get("all_reduce", 0) + ops.get("all_gather", 0)
     if reductions(eager_ops) != 2 or reductions(compiled_ops) != 1:
