@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .backends.deferred import arrived
 from .backends.functions import _Function
 from .mesh import Mesh, PartitionSpec
 
@@ -151,6 +152,11 @@ def local_block(x, mesh: Mesh, spec: PartitionSpec):
     local tensor itself; with it, `_ToBlock`, whose backward wraps the
     cotangent on a cached spec.  A pending sum (`Partial`, whose gradient
     placement differs) keeps DTensor's own path.
+
+    `_ToBlock` is also where the body's deferred gradient reductions are read
+    (what `boundary.Arrive` does for other inputs): created when the body
+    starts, it runs after every node of the body, and one node per weight
+    instead of two is one autograd Function less per weight and step.
     """
     pls = placements(mesh, spec)
     s = x._spec
@@ -166,7 +172,8 @@ def local_block(x, mesh: Mesh, spec: PartitionSpec):
 
 
 class _ToBlock(_Function):
-    """DTensor -> its local block (a view); backward: the cotangent as a DTensor with `x`'s layout."""
+    """DTensor -> its local block (a view); backward: the cotangent, once arrived (`deferred`), as a
+    DTensor with `x`'s layout."""
 
     @staticmethod
     def forward(x, mesh, spec):
@@ -183,6 +190,7 @@ class _ToBlock(_Function):
     def backward(ctx, g):
         if g is None:
             return None, None, None
+        g = arrived(g)
         if not torch.is_grad_enabled() and g.is_contiguous():
             return new_dtensor(g, _dtensor_spec(ctx.mesh, ctx.spec, ctx.shape, g.dtype)), None, None
         # A graph of the backward (create_graph) or a strided cotangent: DTensor's own, differentiable path.

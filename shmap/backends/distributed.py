@@ -183,8 +183,8 @@ class Distributed(Backend):
         if transformed:
             check_not_dtensor(x, spec)
         if dtensor.is_dtensor(x):
-            x = dtensor.local_block(x, self.mesh, spec)
-            return (Arrive.apply(x) if _grad(x) else x), axes
+            x = dtensor.local_block(x, self.mesh, spec)  # (its backward reads the deferred reductions)
+            return (Arrive.apply(x) if spec.unreduced and _grad(x) else x), axes
         starts = self._block_starts(spec, x.shape)
         if starts:
             x = TakeBlock.apply(x, self, spec, body) if _grad(x) else _take_block(x, starts)

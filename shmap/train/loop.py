@@ -128,15 +128,16 @@ class Run:
     def step(self, params, opt, step: int):
         """One training step -> (params, opt, metrics as device tensors; nothing is read back here)."""
         leaves, treedef = optree.tree_flatten(params)
-        leaves = [p.detach().requires_grad_() for p in leaves]
-        loss = self.loss(optree.tree_unflatten(treedef, leaves), self.batch(step))
+        for p in leaves:  # the state's own tensors are what is differentiated (marked, as a Module's
+            if not p.requires_grad:  # parameters are; never written): a detached alias of each would
+                p.requires_grad_()  # cost a DTensor dispatch per weight, twice a step
+        loss = self.loss(params, self.batch(step))
         grads = optree.tree_unflatten(treedef, list(torch.autograd.grad(loss, leaves)))
         scalars = optim.adam_scalars(self.cfg, step + 1, optim.learning_rate(self.cfg, step))
         if self.cfg.compile:  # graph inputs, not constants: one compiled update serves every step
             scalars = [torch.tensor(s, dtype=torch.float64) for s in scalars]
         with torch.no_grad():
-            params, opt, norm = self.update(optree.tree_unflatten(treedef, [p.detach() for p in leaves]),
-                                            grads, opt, *scalars)
+            params, opt, norm = self.update(params, grads, opt, *scalars)
         return params, opt, {"train_loss": loss.detach(), "grad_norm": norm}
 
     @torch.no_grad()

@@ -144,6 +144,32 @@ def dtensor_boundary():
     except ValueError as e:
         check("Partial" in str(e) or "pending reduction" in str(e), f"message: {e}")
     bad += _output_cotangents(mesh)
+    bad += _one_node_per_weight(mesh)
+    return bad
+
+
+def _one_node_per_weight(mesh):
+    """A replicated DTensor weight used with sharded data (DP) enters the graph through one node,
+    which also reads its deferred gradient psum: the gradient is right, and no `Arrive` node is left."""
+    bad = []
+    w = shmap.device_put(torch.arange(4.0), mesh, P()).requires_grad_()
+    x = torch.arange(16.0).reshape(4, 4)
+    f = shmap.shard_map(lambda x, w: (x * w).sum().reshape(1), mesh=mesh, in_specs=(P(("i", "j")), P()),
+                        out_specs=P(("i", "j")))
+    out = f(x, w).to_local().sum()
+    names, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        names.append(type(n).__name__)
+        stack.extend(m for m, _ in n.next_functions)
+    if not any("ToBlock" in s for s in names) or any("Arrive" in s for s in names):
+        bad.append(f"a DTensor weight's boundary nodes: {sorted(set(names))}")
+    (g,) = torch.autograd.grad(out, [w])
+    if not torch.equal(g.full_tensor(), x.sum(0)):
+        bad.append(f"DP weight gradient {g.full_tensor().tolist()} != {x.sum(0).tolist()}")
     return bad
 
 

@@ -49,6 +49,25 @@ def test_the_run_writes_metrics_a_plot_and_a_sample(tmp_path):
     assert sample.startswith("ROMEO:\n") and len(sample.encode()) >= len("ROMEO:\n") + 1
 
 
+@pytest.mark.parametrize("mesh", ["none", "fsdp=2,tensor=2"])
+def test_a_step_reads_its_state_and_never_writes_it(mesh):
+    """The step differentiates the state's own tensors (it marks them requires_grad, as a Module's
+    parameters are): their values stay, and a step taken again from the same state repeats itself."""
+    import optree
+
+    run = loop.Run(tiny(mesh))
+    params, opt = run.fresh_state()
+    before = [x.detach().clone() for x in optree.tree_leaves((params, opt))]
+    p1, o1, m1 = run.step(params, opt, 0)
+    p2, o2, m2 = run.step(params, opt, 0)
+    after = optree.tree_leaves((params, opt))
+    assert all(torch.equal(a.detach(), b) for a, b in zip(after, before))
+    assert all(a is not b for a, b in zip(optree.tree_leaves(p1), optree.tree_leaves(params)))
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((p1, o1)), optree.tree_leaves((p2, o2))))
+    assert not any(torch.equal(a, b) for a, b in zip(optree.tree_leaves(p1), optree.tree_leaves(params)))
+    assert float(m1["train_loss"]) == float(m2["train_loss"])
+
+
 def test_metrics_are_read_one_step_late():
     """The writer holds step k's device values until step k+1 is dispatched (no sync inside a step)."""
     w = loop.RecordWriter(None)
