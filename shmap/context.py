@@ -42,6 +42,8 @@ class Body:
         if self.own is None:
             self.own = self.axes
         self._orders = {}
+        #: the type of argument the backend takes by `enter_block` (a DTensor), or None
+        self.block_type = self.backend.block_type
 
     def order(self, axes) -> tuple:
         """`axes` (any collection of this body's axis names) in mesh order: the one function for it.

@@ -241,6 +241,13 @@ def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split)
 
 def _enter(path, value, spec, body, mesh, fname, what):
     """Global argument -> body value."""
+    if type(value) is body.block_type and body.parent is None:  # a DTensor laid out as `spec`, most often
+        _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
+        got = body.backend.enter_block(value, spec, body)
+        if got is not None:
+            phys, vma_ = got
+            _read_only(body, phys, _Argument(what.arg, what.params, fname, path), vma_)
+            return ShTensor(phys, (), vma_, body)
     if isinstance(value, ShTensor) and body.parent is not None and value._body is body.parent:
         _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
         return nesting.enter(value, spec, body)

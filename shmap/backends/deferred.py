@@ -30,7 +30,8 @@ Nothing may read a gradient before it has arrived, and nothing does: every
 op on a `Deferred` waits first.  Where the cotangent goes straight into the
 next backward op (a tensor-parallel activation's psum), that op waits at
 once; where it goes to a weight, the weight's boundary node
-(`boundary.Arrive`, created when the body started, so autograd runs it last)
+(`boundary.Arrive`, or a DTensor's `dtensor._ToBlock`, created when the body
+started, so autograd runs it last)
 waits, and the pass runs every later layer's backward meanwhile.  A
 `Deferred` never leaves a shard_map's backward pass.
 

@@ -101,6 +101,7 @@ class Distributed(Backend):
         self._pgs: dict = {}
         self._groups: dict = {}
         self._starts: dict = {}
+        self._spec_vma: dict = {}  # spec -> the type of its blocks (`enter_block`)
         # Built by make_mesh, on every rank together: the guard's own process
         # group, and the groups over several (not all) axes of a mesh of up to
         # 3 axes, so that no later wait is an unwatched group creation
@@ -195,6 +196,24 @@ class Distributed(Backend):
         if _grad(x) and not transformed:  # (a transform's backward builds a graph: nothing is deferred)
             x = Arrive.apply(x)  # the body's gradient reductions are read here, last (see `deferred`)
         return x, axes
+
+    @property
+    def block_type(self):
+        """The arguments `enter_block` takes: DTensors (None in a torch without them)."""
+        return dtensor._dtensor_class() or None
+
+    def enter_block(self, x, spec, body):
+        """`split` and `input_value` in one for the common argument, a DTensor laid out as `spec`
+        in a typed top-level body outside any torch.func transform: (this rank's block, its type),
+        or None for the general path (which `split` is).  A step over many weights crosses the
+        boundary once per weight, and per call the general path's generality costs more than this."""
+        if spec.unreduced or not body.check_vma or (self.mesh.device is not None and x.device != self.mesh.device) \
+                or _transformed():
+            return None
+        got = self._spec_vma.get(spec)
+        if got is None:
+            got = self._spec_vma[spec] = frozenset(spec.axes())
+        return dtensor.local_block(x, self.mesh, spec), got  # (the layout checked; `_ToBlock` under autograd)
 
     def _block_starts(self, spec, shape):
         """{dim: (start, length)} of this rank's block along each split dimension (remembered)."""
