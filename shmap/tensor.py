@@ -67,17 +67,20 @@ _SPECIAL: dict = {}
 class ShTensor(torch.Tensor):
     """A per-device value inside a shard_map body (simulated mesh)."""
 
+    # Defaults read from the class until set: a body makes a value per op, and a step makes hundreds.
+    _lifts = None  # {(target vma, grad mode): lifted physical tensor} (`lift`)
+    _unreduced = frozenset()  # the subset of _vma along which the value is a pending sum
+
     @staticmethod
-    def __new__(cls, phys, paxes, vma, body, unreduced=frozenset()):
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, phys.shape[len(paxes):], dtype=phys.dtype, device=phys.device, requires_grad=False
-        )
+    def __new__(cls, phys, paxes, vma, body, unreduced=None):
+        r = torch.Tensor._make_wrapper_subclass(  # (requires_grad False: autograd sees the physical tensors)
+            cls, phys.shape[len(paxes):] if paxes else phys.shape, dtype=phys.dtype, device=phys.device)
         r._phys = phys
         r._paxes = paxes
         r._vma = vma  # every axis the per-device data may differ along (unreduced ones included)
         r._body = body
-        r._lifts = None
-        r._unreduced = unreduced  # the subset of _vma along which the value is a pending sum
+        if unreduced:
+            r._unreduced = unreduced
         return r
 
     @classmethod

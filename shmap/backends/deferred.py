@@ -233,12 +233,10 @@ class Bucket:
         parts, self.parts = self.parts, None
         if self.kind == "psum":  # the parts are copied once, into the sealed buffer
             self.flight, self.result = _launch_all_reduce(parts, self.g, "psum")
-        elif self.kind == "all_gather":
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-            self.flight, self.result = _launch_gather_rows(flat, self.g, "all_gather", f"bucket of {len(parts)}")
-        else:
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            self.flight, self.result = _launch_psum_scatter(rows, self.g, 0, False)
+        elif self.kind == "all_gather":  # the parts are copied once, into the (sealed) row sent
+            self.flight, self.result = _launch_gather_rows(parts, self.g, "all_gather", f"bucket of {len(parts)}")
+        else:  # [n, m_i] side by side, copied once (into the sealed rows)
+            self.flight, self.result = _launch_psum_scatter(parts, self.g, 0, False)
 
     def read(self, i, shape):
         self.launch()

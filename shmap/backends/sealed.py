@@ -66,17 +66,25 @@ def _contiguous_strides(shape) -> tuple:
 
 def _sealed_reduce_rows(inp, n, g: Group):
     """As `_sealed_reduce` for a reduce-scatter of the flat `inp` ([n] rows): (input, output, output's
-    data view, seal), each row carrying the trailer."""
-    m = inp.numel() // n
-    big = inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
-    if big or not (_sealing(g) and sealable(inp.dtype, g.n)):
-        inp = inp.contiguous()
+    data view, seal), each row carrying the trailer.
+
+    `inp` may also be a list of [n, m_i] tensors (a bucket's parts, side by side): they are
+    concatenated anyway, so the trailer rides along at any size (one `cat`, as unsealed)."""
+    parts = inp if isinstance(inp, list) else None
+    first = inp if parts is None else parts[0]
+    m = first.numel() // n if parts is None else sum(p.shape[1] for p in parts)
+    big = parts is None and inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
+    if big or not (_sealing(g) and sealable(first.dtype, g.n)):
+        inp = inp.contiguous() if parts is None else torch.cat(parts, dim=1).view(-1)
         out = inp.new_empty(m)
         return inp, out, out, None
     k = 2 * SEAL_BITS
-    rows = inp.new_empty((n, m + k))
-    rows[:, :m].copy_(inp.view(n, m))
-    out = inp.new_empty(m + k)
+    if parts is None:
+        rows = inp.new_empty((n, m + k))
+        rows[:, :m].copy_(inp.view(n, m))
+    else:  # (the trailer's columns are written when the collective is sealed)
+        rows = torch.cat(parts + [first.new_empty((n, k))], dim=1)
+    out = first.new_empty(m + k)
     return rows.view(-1), out, out[:m], Seal("reduce", rows[:, m:], out[m:])
 
 
@@ -94,14 +102,23 @@ def _sealed_bytes(rows, g: Group, kind, shape, dtype, extra):
     8-byte signature of the collective about to run (kind, shape, dtype, extra as `_run` gets them)
     appended to each row, the data bytes per row, the signature as a list); (None, 0, None) when the
     payload carries no signature.  The caller makes the output of the same layout, the `Seal` over
-    both, and reads the data back with `_unseal_bytes`."""
-    if not _sealing(g) or rows.numel() * rows.element_size() * g.n > _SEAL_BYTES_LIMIT:
+    both, and reads the data back with `_unseal_bytes`.
+
+    `rows` may also be a list of contiguous 1-D tensors, a bucket's parts, sent as one row: they are
+    concatenated anyway, so the signature rides along at any size (one copy, as unsealed)."""
+    bucket = isinstance(rows, list)
+    if not _sealing(g) or (not bucket and rows.numel() * rows.element_size() * g.n > _SEAL_BYTES_LIMIT):
         return None, 0, None
+    sig = g._backend.watch.next_signature_bytes(kind, g.axes, shape, dtype, extra)
+    st = torch.frombuffer(bytearray(sig), dtype=torch.uint8)
+    if bucket:
+        if not rows[0].is_cpu:
+            st = st.to(rows[0].device)
+        send = torch.cat([p.view(torch.uint8) for p in rows] + [st]).view(1, -1)  # one op: the copy and the signature
+        return send, send.shape[1] - 8, list(sig)
     r = rows.shape[0]
     b = rows.contiguous().view(-1)  # 1-D with stride 1 (a size-1 dimension may carry any stride)
     b = (b.view(torch.uint8) if b.dtype != torch.uint8 else b).view(r, -1)
-    sig = g._backend.watch.next_signature_bytes(kind, g.axes, shape, dtype, extra)
-    st = torch.frombuffer(bytearray(sig), dtype=torch.uint8)
     if not b.is_cpu:
         st = st.to(b.device)
     send = torch.cat([b, st.expand(r, 8)], dim=1)  # one op: the copy and the signature

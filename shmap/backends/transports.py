@@ -233,6 +233,11 @@ def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
     return result
 
 
+def _sealed_bucket(part, g: Group) -> bool:
+    """Whether a bucket of parts like `part` travels sealed as their concatenation (eager, gloo, default mode)."""
+    return not tracing() and g.n > 1 and g.shm(part) is None and _sealing(g)
+
+
 def _gather_rows(x, g: Group, kind, extra=""):
     """[n, *x.shape]: every position's block, in the tuple's order."""
     flight, result = _launch_gather_rows(x, g, kind, extra)
@@ -242,42 +247,55 @@ def _gather_rows(x, g: Group, kind, extra=""):
 
 
 def _launch_gather_rows(x, g: Group, kind, extra=""):
-    """As `_gather_rows`, launched: (the collective in flight or None, its result once finished)."""
-    if tracing():  # torch.compile: functional collectives (traced.py), complete at once
-        out = traced.gather_rows(x, g, kind, extra)
-        return None, lambda: out
-    x = x.contiguous()
-    if g.n == 1:
-        out = x.unsqueeze(0).clone()
-        return None, lambda: out
+    """As `_gather_rows`, launched: (the collective in flight or None, its result once finished).
+
+    `x` may be a list of contiguous 1-D tensors of one movable dtype (a bucket's parts, `deferred`):
+    gathered as their concatenation, which then carries its signature at any size (`_sealed_bytes`:
+    the one copy the concatenation makes anyway, instead of an exchange beside the data).
+    """
+    parts = x if isinstance(x, list) else None
+    if parts is not None and not (len(parts) > 1 and _sealed_bucket(parts[0], g)):
+        x, parts = (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+    if parts is not None:
+        shape, dtype, shm = (sum(p.numel() for p in parts),), parts[0].dtype, None
+        wire, src = dtype, parts
+    else:
+        if tracing():  # torch.compile: functional collectives (traced.py), complete at once
+            out = traced.gather_rows(x, g, kind, extra)
+            return None, lambda: out
+        x = x.contiguous()
+        if g.n == 1:
+            out = x.unsqueeze(0).clone()
+            return None, lambda: out
+        shape, dtype, shm = x.shape, x.dtype, g.shm(x)
+        flat = x.reshape(-1) if x.dtype in _MOVABLE else _as_bytes(x)
+        wire, src = flat.dtype, flat.reshape(1, -1)
     dist = _dist()
-    flat = x.reshape(-1) if x.dtype in _MOVABLE else _as_bytes(x)
-    shm = g.shm(x)
     flight = None
     if shm is not None:  # completes here
-        got = _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_gather(flat), extra)
+        got = _run_shm(g, kind, shape, dtype, lambda: shm.all_gather(flat), extra)
         read = lambda: got  # noqa: E731
     else:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        send, nb, expect = _sealed_bytes(flat.reshape(1, -1), g, kind, x.shape, x.dtype, extra)
+        send, nb, expect = _sealed_bytes(src, g, kind, shape, dtype, extra)
         if send is None:
             out = flat.new_empty((g.n, flat.numel()))
-            flight = _start(g, kind, x.shape, x.dtype,
-                            lambda pg: fn(out, flat.reshape(1, -1), group=pg, async_op=True), extra)
+            flight = _start(g, kind, shape, dtype,
+                            lambda pg: fn(out, src, group=pg, async_op=True), extra)
             read = lambda: out  # noqa: E731
         else:
             got = send.new_empty((g.n, nb + 8))
-            flight = _start(g, kind, x.shape, x.dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
+            flight = _start(g, kind, shape, dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
                             seal=Seal("bytes", None, got[:, nb:], expect))
-            read = lambda: _unsealed_rows(got, nb, flat.dtype, g.n)  # noqa: E731
+            read = lambda: _unsealed_rows(got, nb, wire, g.n)  # noqa: E731
 
     def result():
         out = read()
-        if out.dtype != x.dtype:  # (bytes of a dtype the wire lacks)
-            out = out.contiguous().view(x.dtype)
+        if out.dtype != dtype:  # (bytes of a dtype the wire lacks)
+            out = out.contiguous().view(dtype)
         if g.g2t is not None:
             out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
-        return out.view(g.n, *x.shape)
+        return out.view(g.n, *shape)
 
     return flight, result
 
@@ -313,14 +331,21 @@ def _psum_scatter(x, g: Group, dim, tiled):
 
 
 def _launch_psum_scatter(x, g: Group, dim, tiled):
-    """As `_launch_all_reduce`, for psum_scatter."""
+    """As `_launch_all_reduce`, for psum_scatter.
+
+    `x` may be a list of [n, m_i] tensors (a bucket's parts, `deferred`; dim 0, untiled): reduce-scattered
+    side by side, their concatenation carrying its signature at any size (`_sealed_reduce_rows`).
+    """
+    if isinstance(x, list):
+        if len(x) > 1 and _sealed_bucket(x[0], g) and g.g2t is None and _reduce_dtype(x[0], "psum_scatter") is None:
+            return _launch_sealed_scatter(x, g)
+        x = x[0] if len(x) == 1 else torch.cat(x, dim=1)
     if tracing():  # torch.compile: functional collectives (traced.py)
         return traced.launch_psum_scatter(x, g, dim, tiled)
     chunks = _chunks(x, g.n, dim, tiled)
     if g.n == 1:
         out = chunks[0].clone()
         return None, lambda: out
-    dist = _dist()
     if g.g2t is not None:  # row r of the input goes to group rank r
         chunks = chunks.index_select(0, torch.tensor(g.g2t, device=x.device))
     wire = _reduce_dtype(x, "psum_scatter")
@@ -332,12 +357,25 @@ def _launch_psum_scatter(x, g: Group, dim, tiled):
         inp = chunks.reshape(g.n, -1).contiguous()
         out = _run_shm(g, "psum_scatter", x.shape, x.dtype, lambda: shm.reduce_scatter(inp), extra)
         return None, lambda: out.reshape(chunks.shape[1:]).to(x.dtype)
-    inp, buf, out, seal = _sealed_reduce_rows(chunks.reshape(-1), g.n, g)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    # gloo's reduce_scatter ignores a wait's timeout: a helper thread waits for it (blocking=True)
-    flight = _start(g, "psum_scatter", x.shape, x.dtype, lambda pg: fn(buf, inp, group=pg, async_op=True), extra,
-                    seal=seal, blocking=True)
+    flight, out = _start_scatter(chunks.reshape(-1), g, x.shape, x.dtype, extra)
     return flight, lambda: out.view(chunks.shape[1:]).to(x.dtype)
+
+
+def _launch_sealed_scatter(parts, g: Group):
+    """A bucket's [n, m_i] parts reduce-scattered side by side: (in flight, [sum of m_i] once finished)."""
+    shape = (g.n, sum(p.shape[1] for p in parts))
+    flight, out = _start_scatter(parts, g, shape, parts[0].dtype, "scatter_dimension=0, tiled=False")
+    return flight, lambda: out
+
+
+def _start_scatter(inp, g: Group, shape, dtype, extra):
+    """Launch the reduce-scatter of `inp` (flat [n] rows, or a bucket's parts): (in flight, output data)."""
+    inp, buf, out, seal = _sealed_reduce_rows(inp, g.n, g)
+    fn = getattr(_dist(), "reduce_scatter_single", None) or _dist().reduce_scatter_tensor
+    # gloo's reduce_scatter ignores a wait's timeout: a helper thread waits for it (blocking=True)
+    flight = _start(g, "psum_scatter", shape, dtype, lambda pg: fn(buf, inp, group=pg, async_op=True), extra,
+                    seal=seal, blocking=True)
+    return flight, out
 
 
 def _own_block(x, g: Group, axis, tiled):

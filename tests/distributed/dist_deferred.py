@@ -11,6 +11,7 @@
 - keeps double backward (create_graph) exact;
 - moves weights gathered back to back (FSDP's forward, gathered up front) in
   one all_gather per bucket, still reported as one all_gather each;
+- sends a bucket's signature inside its payload, at any size (no exchange beside it);
 - launches only the bucket a read needs (4 ranks: a tensor-parallel read
   mid-pass leaves the data-parallel bucket filling).
 Returns a list of failure messages (empty: all passed).
@@ -261,6 +262,8 @@ def run_cases():
         if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref_t)):
             fails.append("2x2 mesh: gradients differ from the simulated mesh's")
 
+    fails += _buckets_carry_their_signatures(mesh, sim, ws, x)
+
     # .backward() accumulates ordinary tensors into .grad
     grads, _, _, _ = _grads(mesh, ws, x, 1 << 20, how="backward")
     for k, (a, b) in enumerate(zip(grads, ref)):
@@ -289,6 +292,52 @@ def run_cases():
     a, b = second(mesh), second(sim)
     if not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
         fails.append(f"second derivative differs from the simulated mesh's by {(a - b).abs().max():.3g}")
+    return fails
+
+
+def _buckets_carry_their_signatures(mesh, sim, ws, x):
+    """A bucket of gathers, and one of reduce-scatters, carries its signature in its payload at any size
+    (it copies its parts once anyway), where a single move over the size limit checks it with an
+    exchange beside the data: here the limit is 0, so every unbucketed move exchanges.  FSDP with every
+    weight gathered up front, DTensor inputs (no plain input's gradient to assemble): one bucket of
+    gathers forward, one of reduce-scatters backward, and no exchange."""
+    from shmap.backends import guard, sealed, transports
+
+    fails, exchanges = [], [0]
+    real_gather, real_limit = guard._gather_into, sealed._SEAL_BYTES_LIMIT
+
+    def counting(*a, **k):
+        exchanges[0] += 1
+        return real_gather(*a, **k)
+
+    def run(m, bucket):
+        f = shmap.shard_map(_fsdp_prefetch_body, mesh=m, in_specs=(P("i"), P("i")), out_specs=P())
+        put = (lambda t: shmap.device_put(t, m, P("i"))) if m.is_distributed else (lambda t: t)
+        prev = shmap.configure_distributed(bucket_bytes=bucket) if m.is_distributed else None
+        exchanges[0] = 0
+        try:
+            w = [put(t.detach().clone()).requires_grad_() for t in ws]
+            out = f(w, put(x))
+            value = out.to_local() if m.is_distributed else out
+            grads = torch.autograd.grad(value, w)
+            return value, [g.full_tensor() if m.is_distributed else g for g in grads], exchanges[0]
+        finally:
+            if prev is not None:
+                shmap.configure_distributed(**prev)
+
+    ref_v, ref_g, _ = run(sim, None)
+    guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = counting, 0, 0
+    try:
+        _, _, unbucketed = run(mesh, 1)
+        value, grads, bucketed = run(mesh, 1 << 20)
+    finally:
+        guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = real_gather, real_limit, real_limit
+    if unbucketed != 2 * N_WEIGHTS or bucketed != 0:
+        fails.append(f"FSDP, seal limit 0: {unbucketed} signature exchanges unbucketed (expected {2 * N_WEIGHTS}: "
+                     f"a gather and a reduce-scatter a weight), {bucketed} with one bucket each way (expected 0)")
+    if not (torch.allclose(value, ref_v, rtol=1e-12, atol=1e-14) and all(
+            torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, ref_g))):
+        fails.append("FSDP, sealed buckets: the loss or a gradient differs from the simulated mesh's")
     return fails
 
 
