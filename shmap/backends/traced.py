@@ -328,9 +328,10 @@ def launch_all_reduce(x, g: Group, kind):
     return None, lambda: out
 
 
-def gather_rows(x, g: Group, kind, extra=""):
-    """[n, *x.shape]: every position's block, in the tuple's order."""
-    from .sealed import _SEAL_BYTES_LIMIT
+def gather_rows(x, g: Group, kind, extra="", bucket=False):
+    """[n, *x.shape]: every position's block, in the tuple's order.  A `bucket` (its parts concatenated,
+    `transports._launch_gather_rows`) carries its signature at any size, as eagerly."""
+    from .sealed import _SEAL_BYTES_LIMIT, _unsealed_rows
     from .transports import _MOVABLE, _as_bytes
 
     x = x.contiguous()
@@ -338,7 +339,7 @@ def gather_rows(x, g: Group, kind, extra=""):
         return x.unsqueeze(0).clone()
     name = _name(g)
     flat = x.reshape(-1) if x.dtype in _MOVABLE and not x.is_complex() else _as_bytes(x)
-    sealed = _sealing(g) and flat.numel() * flat.element_size() * g.n <= _SEAL_BYTES_LIMIT
+    sealed = _sealing(g) and (bucket or flat.numel() * flat.element_size() * g.n <= _SEAL_BYTES_LIMIT)
     gather = lambda b: _c10d().all_gather_into_tensor(b, g.n, name)  # noqa: E731
     if sealed:
         b = _bytes(flat)
@@ -346,20 +347,21 @@ def gather_rows(x, g: Group, kind, extra=""):
         spec = _spec(g, kind, x.shape, x.dtype, extra, "bytes", torch.uint8, nb + 8)
         t = _begin(flat, spec)
         got = _moved(gather, torch.cat([b, t]).view(1, nb + 8), t, spec)  # [n, nb + 8]
-        out = got[:, :nb].contiguous().view(flat.dtype).view(g.n, flat.numel())
+        out = _unsealed_rows(got, nb, flat.dtype, g.n)  # (a view of the rows, as eagerly, where strides allow)
     else:
         spec = _spec(g, kind, x.shape, x.dtype, extra, None, flat.dtype)
         t = _begin(flat, spec)
         out = _moved(gather, torch.cat([flat, t]).view(1, -1), t, spec)
-    if out.dtype != x.dtype:
-        out = out.view(x.dtype)
+    if out.dtype != x.dtype:  # (bytes of a dtype the wire lacks)
+        out = out.contiguous().view(x.dtype)
     if g.g2t is not None:
         out = out.index_select(0, torch.tensor(g.t2g, device=out.device))
-    return out.view(g.n, *x.shape)
+    return out.reshape(g.n, *x.shape)
 
 
-def launch_psum_scatter(x, g: Group, dim, tiled):
-    """`transports._launch_psum_scatter` under tracing: complete at once."""
+def launch_psum_scatter(x, g: Group, dim, tiled, bucket=False):
+    """`transports._launch_psum_scatter` under tracing: complete at once (a `bucket` carries its
+    signature at any size, as eagerly)."""
     from .sealed import _SEAL_BYTES_LIMIT
     from .transports import _chunks, _reduce_dtype
 
@@ -376,7 +378,7 @@ def launch_psum_scatter(x, g: Group, dim, tiled):
     n = g.n
     inp = chunks.reshape(n, -1)
     m = inp.shape[1]
-    big = inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
+    big = not bucket and inp.numel() * inp.element_size() > _SEAL_BYTES_LIMIT
     seal = "reduce" if not big and _sealing(g) and sealable(inp.dtype, n) and not inp.is_complex() else None
     spec = _spec(g, "psum_scatter", x.shape, x.dtype, f"scatter_dimension={dim}, tiled={tiled}", seal, inp.dtype)
     t = _begin(inp, spec)

@@ -254,14 +254,15 @@ def _launch_gather_rows(x, g: Group, kind, extra=""):
     the one copy the concatenation makes anyway, instead of an exchange beside the data).
     """
     parts = x if isinstance(x, list) else None
-    if parts is not None and not (len(parts) > 1 and _sealed_bucket(parts[0], g)):
+    bucket = parts is not None and len(parts) > 1
+    if parts is not None and not (bucket and _sealed_bucket(parts[0], g)):
         x, parts = (parts[0] if len(parts) == 1 else torch.cat(parts)), None
     if parts is not None:
         shape, dtype, shm = (sum(p.numel() for p in parts),), parts[0].dtype, None
         wire, src = dtype, parts
     else:
         if tracing():  # torch.compile: functional collectives (traced.py), complete at once
-            out = traced.gather_rows(x, g, kind, extra)
+            out = traced.gather_rows(x, g, kind, extra, bucket=bucket)
             return None, lambda: out
         x = x.contiguous()
         if g.n == 1:
@@ -336,12 +337,13 @@ def _launch_psum_scatter(x, g: Group, dim, tiled):
     `x` may be a list of [n, m_i] tensors (a bucket's parts, `deferred`; dim 0, untiled): reduce-scattered
     side by side, their concatenation carrying its signature at any size (`_sealed_reduce_rows`).
     """
+    bucket = isinstance(x, list) and len(x) > 1
     if isinstance(x, list):
-        if len(x) > 1 and _sealed_bucket(x[0], g) and g.g2t is None and _reduce_dtype(x[0], "psum_scatter") is None:
+        if bucket and _sealed_bucket(x[0], g) and g.g2t is None and _reduce_dtype(x[0], "psum_scatter") is None:
             return _launch_sealed_scatter(x, g)
         x = x[0] if len(x) == 1 else torch.cat(x, dim=1)
     if tracing():  # torch.compile: functional collectives (traced.py)
-        return traced.launch_psum_scatter(x, g, dim, tiled)
+        return traced.launch_psum_scatter(x, g, dim, tiled, bucket=bucket)
     chunks = _chunks(x, g.n, dim, tiled)
     if g.n == 1:
         out = chunks[0].clone()

@@ -221,6 +221,48 @@ def full_buckets():
     return bad
 
 
+def sealed_buckets():
+    """FSDP's buckets compiled (every weight gathered up front, one bucket each way), with the size limit
+    for a signature in the payload at 0: a bucket still carries its own (as eagerly), so no exchange runs
+    beside the data, and compiled equals eager."""
+    from shmap.backends import guard, sealed, transports
+
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(x, *ws):
+        whole = [shmap.all_gather(w, "i", axis=0, tiled=True) for w in ws]
+        h = x
+        for w in whole:
+            h = torch.tanh(h @ w)
+        return shmap.psum(h.sum(), "i")
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(P("i"),) * 4, out_specs=P())
+    g = torch.Generator().manual_seed(3)
+    args = [shmap.device_put(t, mesh, P("i")) for t in  # (DTensors: no plain input's gradient to gather)
+            [torch.randn(4, 8, generator=g, dtype=torch.float64)] + [
+                torch.randn(8, 8, generator=g, dtype=torch.float64) / 3 for _ in range(3)]]
+    exchanges, real = [0], (guard._gather_into, sealed._SEAL_BYTES_LIMIT)
+
+    def counting(*a, **k):
+        exchanges[0] += 1
+        return real[0](*a, **k)
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = counting, 0, 0
+    try:
+        want = _run(f, args)
+        eager = exchanges[0]
+        _run(cf, args)  # compiles
+        exchanges[0] = 0
+        got = _run(cf, args)
+    finally:
+        guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = real[0], real[1], real[1]
+    bad = _same("sealed buckets", got, want)
+    if exchanges[0] or eager:
+        bad.append(f"sealed buckets: {eager} signature exchanges eagerly, {exchanges[0]} compiled (expected 0)")
+    return bad
+
+
 def gathered_outputs():
     """Gathers in one bucket whose values leave the body as they are (one directly, one through an op),
     with and without autograd: compiled equals eager (a bucketed value is read even when no op in the
@@ -434,6 +476,7 @@ def recipe(mesh="fsdp=2", steps=1):
 
 
 CASES = {"collectives": collectives, "bucketed": bucketed, "full buckets": full_buckets,
+         "sealed buckets": sealed_buckets,
          "gathered outputs": gathered_outputs,
          "pytree outputs": pytree_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
