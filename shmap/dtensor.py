@@ -243,8 +243,18 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
         if len(_BLOCK_SPECS) >= 4096:
             _BLOCK_SPECS.clear()
     if not grad:
-        return new_dtensor(block.view_as(block), got[1])
+        return new_dtensor(_alias(block), got[1])
     return _FromBlock.apply(block, got[1])
+
+
+def _alias(block):
+    """A new tensor object on `block`'s data (a view), or a forward psum still on the wire as it is:
+    a view would wait for it (`deferred.forward_psum`), and the output DTensor is its only holder."""
+    if type(block) is torch.Tensor or torch.compiler.is_compiling():  # (Dynamo never meets a Deferred)
+        return block.view_as(block)
+    from .backends.deferred import Deferred
+
+    return block if type(block) is Deferred else block.view_as(block)
 
 
 class _FromBlock(_Function):
@@ -257,7 +267,7 @@ class _FromBlock(_Function):
 
     @staticmethod
     def forward(block, dspec):
-        return new_dtensor(block.view_as(block), dspec, block.requires_grad)
+        return new_dtensor(_alias(block), dspec, block.requires_grad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -83,6 +83,10 @@ class Deferred(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA_ONLY:  # (autograd's ones_like seed of a loss still on the wire: no wait)
+            args = tuple(torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, Deferred) else a
+                         for a in args)
+            return func(*args, **(kwargs or {}))
         args = tuple(a.wait() if isinstance(a, Deferred) else a for a in args)
         if kwargs:
             kwargs = {k: v.wait() if isinstance(v, Deferred) else v for k, v in kwargs.items()}
@@ -90,6 +94,11 @@ class Deferred(torch.Tensor):
 
     def __repr__(self):
         return f"Deferred({self.wait()!r})"
+
+
+#: ops that read only a tensor's shape, dtype and device
+_METADATA_ONLY = frozenset({torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
+                            torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default})
 
 
 def arrived(t):
@@ -101,6 +110,23 @@ def _deferrable(ct) -> bool:
     return (not torch.is_grad_enabled() and type(ct) is torch.Tensor
             and not torch._C._functorch.is_functorch_wrapped_tensor(ct) and not torch.compiler.is_compiling()
             and not tracing())
+
+
+def forward_psum(x, g):
+    """psum of a forward value, launched and handed on as a `Deferred` where that is plainly safe (eager,
+    outside any backward pass and torch.func transform), else None.
+
+    A forward psum read at once (a tensor-parallel projection's) waits at its next op, as before.  One
+    that leaves the body as it is (a global loss: `shmap.psum(loss / n, axes)`) is waited for where the
+    caller first reads it, so the backward pass starts without the sync point that DDP does not have
+    either.  (autograd's `ones_like` seed of it does not wait.)
+    """
+    if (type(x) is not torch.Tensor or tracing() or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active() or torch._C._functorch.is_functorch_wrapped_tensor(x)
+            or torch._C._current_graph_task_id() != -1):
+        return None
+    flight, result = _launch_all_reduce(x, g, "psum")
+    return _hand_on(flight, result, x, x.shape)
 
 
 # --------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import torch
 from .. import batching, dtensor
 from ..errors import SpecError
 from . import traced, watchdog
+from .deferred import Deferred
 from .boundary import (  # noqa: F401  (re-exported)
     Arrive,
     AssembleBlocks,
@@ -46,6 +47,7 @@ from .boundary import (  # noqa: F401  (re-exported)
     ScaleGrad,
     TakeBlock,
     _transformed,
+    _unwrapped,
     check_not_dtensor,
     _assemble_blocks,
     _take_block,
@@ -278,6 +280,8 @@ class Distributed(Backend):
                 if transformed or (torch.is_grad_enabled() and phys.requires_grad):
                     phys = ScaleGrad.apply(phys, 1.0 / n)
         if transformed:  # the global value as a plain tensor, as the simulated mesh returns it
+            if isinstance(_unwrapped(phys), Deferred):  # a forward psum still on the wire (`deferred`): landed
+                phys = phys.view_as(phys)
             return AssembleBlocks.apply(phys, self, spec, body) if spec.axes() else phys
         return dtensor.from_block(phys, self.mesh, spec, tuple(logical_shape))
 

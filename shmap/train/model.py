@@ -86,8 +86,13 @@ class Layout:
         return shmap.psum(x, self.tensor) if self.tensor else x
 
     def mean_over_batch(self, x):
-        """A per-device mean over this device's rows -> the mean over the global batch."""
-        return shmap.pmean(x, self.batch) if self.batch else x
+        """A per-device mean over this device's rows -> the mean over the global batch.
+
+        Divided first, then summed (`pmean` sums, then divides): the psum is then the body's last op,
+        and on processes the loss leaves the body still on the wire, read when the loop reads it."""
+        if not self.batch:
+            return x
+        return shmap.psum(x / math.prod(self.sizes[a] for a in self.batch), self.batch)
 
 
 def _map2(f, tree, specs):

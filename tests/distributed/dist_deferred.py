@@ -341,6 +341,46 @@ def _buckets_carry_their_signatures(mesh, sim, ws, x):
     return fails
 
 
+def forward_psum_in_flight():
+    """A psum that ends the forward (a global loss) leaves the body still on the wire: the backward
+    pass runs without waiting for it (autograd's ones_like seed reads only its shape), and its value,
+    read afterwards, and the gradients are the simulated mesh's.  A psum read inside the body waits
+    there, as before.  Returns a list of failures."""
+    fails = []
+    world = dist.get_world_size()
+    mesh, sim = shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)
+    ws, x = _weights(), _data()
+
+    def run(m, body):
+        f = shmap.shard_map(body, mesh=m, in_specs=(P(), P("i")), out_specs=P())
+        put = (lambda t, s: shmap.device_put(t, m, s)) if m.is_distributed else (lambda t, s: t.clone())
+        w = put(ws[0], P()).requires_grad_()
+        out = f(w, put(x, P("i")))
+        local = out._local_tensor if m.is_distributed else out
+        pending = type(local).__name__ == "Deferred" and local._value is None
+        (g,) = torch.autograd.grad(out, [w])
+        still = type(local).__name__ == "Deferred" and local._value is None
+        full = (lambda t: t.full_tensor()) if m.is_distributed else (lambda t: t)
+        return pending, still, full(out), full(g)
+
+    def loss(w, x):  # the psum is the body's last op
+        h = torch.tanh(x @ w)
+        return shmap.psum((h * h).sum() / world, "i")
+
+    def inside(w, x):  # the psum is read by the next op
+        return torch.tanh(shmap.psum(x @ w, "i")).sum()
+
+    for name, body, in_flight in (("a loss's psum", loss, True), ("a psum read in the body", inside, False)):
+        _, _, want_v, want_g = run(sim, body)
+        pending, still, value, g = run(mesh, body)
+        if (pending, still) != (in_flight, in_flight):
+            fails.append(f"{name}: on the wire after the call {pending}, after the backward pass {still} "
+                         f"(expected {in_flight})")
+        if not (torch.allclose(value, want_v, rtol=1e-12, atol=1e-14) and torch.allclose(g, want_g, rtol=1e-12)):
+            fails.append(f"{name}: the value or the gradient differs from the simulated mesh's")
+    return fails
+
+
 def recipe_step_collectives(mesh_flags):
     """{mesh: [(shmap collective, torch.distributed call, elements)]}: what one training step of the
     recipe (tiny model) puts on the wire, per mesh.  The shmap collective is the kind whose launch made

@@ -310,24 +310,25 @@ def dtensor_under_outside_transform():
 
 
 def vmap_collective_count():
-    """How many all_reduces a vmap of psum over 6 examples launches (the batching rule: one)."""
-    from shmap.backends import library
+    """How many reductions a vmap of psum over 6 examples launches (the batching rule: one)."""
+    from shmap.backends import transports
 
     mesh = shmap.make_mesh((4,), ("i",))
     calls = []
-    real = library._all_reduce
+    real = transports._start
 
-    def counting(x, g, kind):
-        calls.append(tuple(x.shape))
-        return real(x, g, kind)
+    def counting(g, kind, shape, *args, **kwargs):  # every collective's launch (a small psum's: an all_gather)
+        if kind == "psum":
+            calls.append(tuple(shape))
+        return real(g, kind, shape, *args, **kwargs)
 
-    library._all_reduce = counting
+    transports._start = counting
     try:
         with shmap.comm_log() as log:
             shmap.shard_map(lambda v: torch.vmap(lambda c: shmap.psum(c, "i"), in_dims=1, out_dims=1)(v),
                             mesh=mesh, in_specs=P("i"), out_specs=P())(torch.randn(8, 6))
     finally:
-        library._all_reduce = real
+        transports._start = real
     return calls, [(e.kind, tuple(e.shape)) for e in log.events]
 
 

@@ -24,6 +24,13 @@ def test_deferred_bucketed_reductions(nprocs):
     assert all(r == results[0] for r in results)
 
 
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_a_loss_psum_is_read_where_the_caller_reads_it(nprocs):
+    results = shmap.spawn(dist_deferred.forward_psum_in_flight, nprocs=nprocs, timeout=90)
+    assert results[0] == [], "\n".join(results[0])
+    assert all(r == results[0] for r in results)
+
+
 def test_a_dp_training_step_reduces_every_gradient_in_one_bucket():
     """The recipe's data=2 step on 2 processes: the loss's psum, then one all_reduce for every gradient
     (the tiny model fits the first bucket).  Nothing in the backward pass may read a gradient's psum
