@@ -59,6 +59,7 @@ import torch
 from .config import _OPTIONS
 from .sealed import _contiguous_strides
 from .traced import tracing
+from . import transports
 from .transports import (_MOVABLE, _all_gather, _chunks, _launch_all_reduce, _launch_gather_rows,
                          _launch_psum_scatter, result_shape)
 
@@ -118,15 +119,19 @@ def forward_psum(x, g):
 
     A forward psum read at once (a tensor-parallel projection's) waits at its next op, as before.  One
     that leaves the body as it is (a global loss: `shmap.psum(loss / n, axes)`) is waited for where the
-    caller first reads it, so the backward pass starts without the sync point that DDP does not have
-    either.  (autograd's `ones_like` seed of it does not wait.)
+    caller first reads it, or before the next collective starts (a backward pass's first bucket; its
+    signature is then checked even if nobody reads it), so the backward pass starts without the sync
+    point that DDP does not have either.  (autograd's `ones_like` seed of it does not wait.)
     """
     if (type(x) is not torch.Tensor or tracing() or torch.compiler.is_compiling()
             or torch._C._are_functorch_transforms_active() or torch._C._functorch.is_functorch_wrapped_tensor(x)
             or torch._C._current_graph_task_id() != -1):
         return None
     flight, result = _launch_all_reduce(x, g, "psum")
-    return _hand_on(flight, result, x, x.shape)
+    out = _hand_on(flight, result, x, x.shape)
+    if isinstance(out, Deferred):
+        transports.UNREAD.append(out)
+    return out
 
 
 # --------------------------------------------------------------------------

@@ -54,8 +54,15 @@ class InFlight:
         w.done()
 
 
+#: forward psums handed on unread (`deferred.forward_psum`): finished, their signatures checked, before
+#: the next collective starts, so an unread one is checked too (by then it has long arrived)
+UNREAD: list = []
+
+
 def _start(g: Group, kind, shape, dtype, launch, extra="", seal=None, blocking=False) -> InFlight:
     """Count the collective, check (strict) or seal (default) its signature, and launch it."""
+    while UNREAD:
+        UNREAD.pop(0).wait()
     w = g._backend.watch
     grad = torch.is_grad_enabled()
     if grad:  # raw data movement; autograd is the Functions' business

@@ -343,9 +343,10 @@ def _buckets_carry_their_signatures(mesh, sim, ws, x):
 
 def forward_psum_in_flight():
     """A psum that ends the forward (a global loss) leaves the body still on the wire: the backward
-    pass runs without waiting for it (autograd's ones_like seed reads only its shape), and its value,
-    read afterwards, and the gradients are the simulated mesh's.  A psum read inside the body waits
-    there, as before.  Returns a list of failures."""
+    pass starts without waiting for it (autograd's ones_like seed reads only its shape) and finishes it
+    before its own first collective (the weight's gradient psum), which checks its signature; its value
+    and the gradients are the simulated mesh's.  A psum read inside the body waits there, as before.
+    Returns a list of failures."""
     fails = []
     world = dist.get_world_size()
     mesh, sim = shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)
@@ -358,10 +359,12 @@ def forward_psum_in_flight():
         out = f(w, put(x, P("i")))
         local = out._local_tensor if m.is_distributed else out
         pending = type(local).__name__ == "Deferred" and local._value is None
-        (g,) = torch.autograd.grad(out, [w])
+        seeded = torch.ones_like(out)  # (autograd's seed: reads the shape only)
         still = type(local).__name__ == "Deferred" and local._value is None
+        (g,) = torch.autograd.grad(out, [w], seeded)
+        pending = pending and still and type(local).__name__ == "Deferred" and local._value is not None
         full = (lambda t: t.full_tensor()) if m.is_distributed else (lambda t: t)
-        return pending, still, full(out), full(g)
+        return pending, full(out), full(g)
 
     def loss(w, x):  # the psum is the body's last op
         h = torch.tanh(x @ w)
@@ -371,11 +374,11 @@ def forward_psum_in_flight():
         return torch.tanh(shmap.psum(x @ w, "i")).sum()
 
     for name, body, in_flight in (("a loss's psum", loss, True), ("a psum read in the body", inside, False)):
-        _, _, want_v, want_g = run(sim, body)
-        pending, still, value, g = run(mesh, body)
-        if (pending, still) != (in_flight, in_flight):
-            fails.append(f"{name}: on the wire after the call {pending}, after the backward pass {still} "
-                         f"(expected {in_flight})")
+        _, want_v, want_g = run(sim, body)
+        in_flight_then_checked, value, g = run(mesh, body)
+        if in_flight_then_checked != in_flight:
+            fails.append(f"{name}: on the wire after the call and after ones_like, then finished by the "
+                         f"backward pass: {in_flight_then_checked} (expected {in_flight})")
         if not (torch.allclose(value, want_v, rtol=1e-12, atol=1e-14) and torch.allclose(g, want_g, rtol=1e-12)):
             fails.append(f"{name}: the value or the gradient differs from the simulated mesh's")
     return fails
