@@ -192,7 +192,8 @@ def _launch_gathered_reduce(x, g: Group, kind):
     the simulated mesh's (16-bit floats summed in float32 and rounded once,
     integers wrapping in their own dtype).
     """
-    x = torch.cat(x) if isinstance(x, list) else x  # (a bucket: its signature names the concatenation)
+    # (a bucket's parts: gathered as their concatenation, copied once into the sealed row, and its
+    # signature names the concatenation)
     flight, rows = _launch_gather_rows(x, g, kind)  # sealed: `gathered_reduce` asked that it fits
     return flight, lambda: reduce_rows(rows(), kind)
 
