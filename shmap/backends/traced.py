@@ -147,6 +147,10 @@ def _watch():
 def _begin_impl(like, after, spec):
     """Count the collective; check its signature now (strict, or no room for it in the payload) or
     return the trailer its payload carries (what this rank sends; what `coll_wait` expects back)."""
+    from .transports import UNREAD, settle_unread
+
+    if UNREAD:  # an eager forward psum still on the wire: finished (and checked) first, as eagerly
+        settle_unread()
     s = _get(spec)
     w = _watch()
     pending = w.begin(s.kind, s.axes, s.shape, s.dtype, s.extra, exchange=s.seal is None)

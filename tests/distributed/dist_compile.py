@@ -225,7 +225,7 @@ def sealed_buckets():
     """FSDP's buckets compiled (every weight gathered up front, one bucket each way), with the size limit
     for a signature in the payload at 0: a bucket still carries its own (as eagerly), so no exchange runs
     beside the data, and compiled equals eager."""
-    from shmap.backends import guard, sealed, transports
+    from shmap.backends import guard, sealed
 
     mesh = shmap.make_mesh((2,), ("i",))
 
@@ -248,7 +248,7 @@ def sealed_buckets():
         return real[0](*a, **k)
 
     cf = torch.compile(f, fullgraph=True, backend="aot_eager")
-    guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = counting, 0, 0
+    guard._gather_into, sealed._SEAL_BYTES_LIMIT = counting, 0
     try:
         want = _run(f, args)
         eager = exchanges[0]
@@ -256,7 +256,7 @@ def sealed_buckets():
         exchanges[0] = 0
         got = _run(cf, args)
     finally:
-        guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = real[0], real[1], real[1]
+        guard._gather_into, sealed._SEAL_BYTES_LIMIT = real[0], real[1]
     bad = _same("sealed buckets", got, want)
     if exchanges[0] or eager:
         bad.append(f"sealed buckets: {eager} signature exchanges eagerly, {exchanges[0]} compiled (expected 0)")
@@ -475,12 +475,33 @@ def recipe(mesh="fsdp=2", steps=1):
     return []
 
 
+def unread_psum():
+    """An eager psum that ends a body (a loss) is handed on still on the wire (`deferred.forward_psum`);
+    a compiled graph's first collective finishes it first, as an eager collective does, so its signature
+    is checked even if nobody reads it.  Its value is the psum's."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    loss = shmap.shard_map(lambda x: shmap.psum((x * x).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    cf = torch.compile(shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()),
+                       fullgraph=True, backend="aot_eager")
+    x = torch.arange(8.0, dtype=torch.float64)
+    want = _value(cf(x))  # (compiles)
+    out = loss(x.requires_grad_())  # (a psum under autograd: through its Function, where it is handed on)
+    local = out._local_tensor
+    if type(local).__name__ != "Deferred" or local._value is not None:
+        return [f"unread psum: not on the wire after the call ({type(local).__name__})"]
+    got = _value(cf(x.detach()))
+    bad = [] if local._value is not None else ["unread psum: still on the wire after a compiled collective"]
+    if not (torch.equal(got, want) and out.full_tensor().item() == (x * x).sum().item()):  # (exact: integers)
+        bad.append(f"unread psum: values {got}, {out.full_tensor()} (expected {want}, {(x * x).sum()})")
+    return bad
+
+
 CASES = {"collectives": collectives, "bucketed": bucketed, "full buckets": full_buckets,
          "sealed buckets": sealed_buckets,
          "gathered outputs": gathered_outputs,
          "pytree outputs": pytree_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
-         "recipe": recipe}
+         "recipe": recipe, "unread psum": unread_psum}
 
 
 def run_cases(names=None):

@@ -301,7 +301,7 @@ def _buckets_carry_their_signatures(mesh, sim, ws, x):
     exchange beside the data: here the limit is 0, so every unbucketed move exchanges.  FSDP with every
     weight gathered up front, DTensor inputs (no plain input's gradient to assemble): one bucket of
     gathers forward, one of reduce-scatters backward, and no exchange."""
-    from shmap.backends import guard, sealed, transports
+    from shmap.backends import guard, sealed
 
     fails, exchanges = [], [0]
     real_gather, real_limit = guard._gather_into, sealed._SEAL_BYTES_LIMIT
@@ -326,12 +326,12 @@ def _buckets_carry_their_signatures(mesh, sim, ws, x):
                 shmap.configure_distributed(**prev)
 
     ref_v, ref_g, _ = run(sim, None)
-    guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = counting, 0, 0
+    guard._gather_into, sealed._SEAL_BYTES_LIMIT = counting, 0
     try:
         _, _, unbucketed = run(mesh, 1)
         value, grads, bucketed = run(mesh, 1 << 20)
     finally:
-        guard._gather_into, sealed._SEAL_BYTES_LIMIT, transports._SEAL_BYTES_LIMIT = real_gather, real_limit, real_limit
+        guard._gather_into, sealed._SEAL_BYTES_LIMIT = real_gather, real_limit
     if unbucketed != 2 * N_WEIGHTS or bucketed != 0:
         fails.append(f"FSDP, seal limit 0: {unbucketed} signature exchanges unbucketed (expected {2 * N_WEIGHTS}: "
                      f"a gather and a reduce-scatter a weight), {bucketed} with one bucket each way (expected 0)")
