@@ -120,9 +120,9 @@ def param_specs(cfg: Config, layout: Layout) -> dict:
             "out_kernel": s("tensor", "fsdp"),       # (mlp, d): row-parallel over hidden units
         },
     }
-    if cfg.block == "prenorm":
-        layer["norm1"] = s()
-        layer["norm2"] = s()
+    if cfg.block == "prenorm":  # (d,): sharded over fsdp as well, as FSDP2 shards every parameter, so
+        layer["norm1"] = s("fsdp")  # their gradients ride the weights' reduce-scatter instead of a psum of
+        layer["norm2"] = s("fsdp")  # their own, one collective less a step
     specs = {
         "embedding": s(None, "fsdp"),     # (256, d)
         "pos_embed": s(None, "fsdp"),     # (seq, d)
@@ -130,7 +130,7 @@ def param_specs(cfg: Config, layout: Layout) -> dict:
         "linear_out": {"kernel": s("fsdp", None)},  # (d, 256)
     }
     if cfg.block == "prenorm":
-        specs["final_norm"] = s()
+        specs["final_norm"] = s("fsdp")
     return specs
 
 
@@ -211,7 +211,7 @@ def block(cfg: Config, layout: Layout, sp: dict, p: dict, x):
     def w(t, spec):  # cast first, so FSDP gathers compute-dtype bytes
         return layout.gather(t.to(cdt), spec)
 
-    h = _rms_norm(x, p["norm1"].to(cdt)) if prenorm else x
+    h = _rms_norm(x, w(p["norm1"], sp["norm1"])) if prenorm else x
     qkv = torch.einsum("bsd,tdhk->tbhsk", h, w(p["attention"]["qkv"], sp["attention"]["qkv"]))
     q, k, v = qkv.unbind(0)  # (its backward stacks; indexing would zero-fill qkv three times)
     att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, k)
@@ -220,7 +220,7 @@ def block(cfg: Config, layout: Layout, sp: dict, p: dict, x):
     if not prenorm:
         x = _cookbook_norm(x)
 
-    h = _rms_norm(x, p["norm2"].to(cdt)) if prenorm else x
+    h = _rms_norm(x, w(p["norm2"], sp["norm2"])) if prenorm else x
     h = F.gelu(h @ w(p["mlp"]["in_kernel"], sp["mlp"]["in_kernel"]))
     h = h @ w(p["mlp"]["out_kernel"], sp["mlp"]["out_kernel"])
     x = x + layout.sum_partial(h)
@@ -254,7 +254,7 @@ def forward(cfg: Config, layout: Layout, specs: dict, params: dict, tokens):
         else:
             x = block(cfg, layout, sp, p, x)
     if cfg.block == "prenorm":
-        x = _rms_norm(x, params["final_norm"].to(cdt))
+        x = _rms_norm(x, w(params["final_norm"], specs["final_norm"]))
     return x @ w(params["linear_out"]["kernel"], specs["linear_out"]["kernel"])
 
 

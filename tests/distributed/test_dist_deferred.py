@@ -50,8 +50,8 @@ STEP_REDUCTIONS = {
     "data=4": 1 + 1,                    # the loss's pmean; the gradients
     "tensor=4": 2 * L + 2 * L + 1,      # row-parallel psums, their backward partners; the norm's psum
     "data=2,tensor=2": 1 + 2 * L + 2 * L + 1 + 1,  # + the data gradients' bucket; the norm's psum
-    "fsdp=2,tensor=2": 1 + 2 * L + 2 * L + 1 + 2,  # + the norm scales' bucket over fsdp; the norm's psums
-}                                                  # over {fsdp, tensor} and over fsdp
+    "fsdp=2,tensor=2": 1 + 2 * L + 2 * L + 2,  # the norm's psums over {fsdp, tensor} and over fsdp (the
+}                                              # norm scales' gradients ride the reduce-scatter)
 
 
 def test_training_steps_put_each_meshs_collectives_on_the_wire_once():

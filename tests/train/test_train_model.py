@@ -42,18 +42,19 @@ def test_every_mesh_gives_the_loss_and_gradients_of_plain_pytorch(mesh, block):
 
 L = 2                      # layers of the tiny model
 MATMUL_WEIGHTS = 4 * L + 3  # qkv, attention out, MLP in and out per layer; embedding, positions, output
-NORMS = 2 * L + 1           # the pre-norm scales (replicated on every axis)
+NORMS = 2 * L + 1           # the pre-norm scales (sharded over fsdp, replicated over data and tensor)
+WEIGHTS = MATMUL_WEIGHTS + NORMS
 
 
 @pytest.mark.parametrize("mesh, fwd, bwd", [
     # DP: one all-reduce per gradient (and the loss's pmean)
     ("data=4", {"psum": 1}, {"psum": MATMUL_WEIGHTS + NORMS}),
-    # FSDP: an all-gather per weight forward, a reduce-scatter per weight backward
-    ("fsdp=4", {"all_gather": MATMUL_WEIGHTS, "psum": 1}, {"psum_scatter": MATMUL_WEIGHTS, "psum": NORMS}),
+    # FSDP: an all-gather per weight forward, a reduce-scatter per weight backward (norm scales too)
+    ("fsdp=4", {"all_gather": WEIGHTS, "psum": 1}, {"psum_scatter": WEIGHTS}),
     # TP: the psums after the row-parallel projections, and their Megatron partners in the backward
     ("tensor=4", {"psum": 2 * L}, {"psum": 2 * L}),
-    ("fsdp=2,tensor=2", {"all_gather": MATMUL_WEIGHTS, "psum": 2 * L + 1},
-     {"psum_scatter": MATMUL_WEIGHTS, "psum": NORMS + 2 * L}),
+    ("fsdp=2,tensor=2", {"all_gather": WEIGHTS, "psum": 2 * L + 1},
+     {"psum_scatter": WEIGHTS, "psum": 2 * L}),
 ])
 def test_per_step_communication_is_what_the_cookbook_describes(mesh, fwd, bwd):
     _, _, f, b = _loss_and_grads(tiny(mesh))
@@ -62,12 +63,12 @@ def test_per_step_communication_is_what_the_cookbook_describes(mesh, fwd, bwd):
     assert {e.axes for e in b.events if e.kind == "psum_scatter"} <= {("fsdp",)}
 
 
-def test_fsdp_holds_one_nth_of_every_matmul_weight():
+def test_fsdp_holds_one_nth_of_every_weight():
     layout = model.Layout({"fsdp": 4})
     specs = model.param_specs(tiny("fsdp=4"), layout)
     sharded = [s for s in optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, shmap.PartitionSpec))
                if "fsdp" in str(s)]
-    assert len(sharded) == MATMUL_WEIGHTS
+    assert len(sharded) == WEIGHTS
 
 
 def test_initialisation_is_deterministic_and_independent_of_the_mesh():
