@@ -23,7 +23,8 @@ torch.distributed collectives and bytes of the backward pass, compares each
 gradient with the single-process gradient of the same global loss, and times
 the step (ratio shmap / DDP).  DDP's step does not compute the global loss;
 shmap's step with DDP's communication (each rank keeps its share of the loss,
-out_specs P('i'); one all_reduce, of the gradients) is timed beside it.
+out_specs P('i'); one all_reduce, of the gradients) is timed beside it, with
+checks on (the default) and off: the difference is what the guard costs.
 
 All figures come from one run, side by side.  Timings on a shared or
 oversubscribed machine are noisy: compare ratios within one run only.
@@ -306,8 +307,8 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
         a, b = fresh()
         return lambda: step(x, y, a, b).full_tensor().backward()
 
-    def shares_run():
-        shmap.configure_distributed(check_collectives=True)
+    def shares_run(checks=True):
+        shmap.configure_distributed(check_collectives=checks)
         a, b = fresh()
         return lambda: shares_step(a, b)
 
@@ -321,7 +322,8 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
         return run
 
     prepare = {"shmap": lambda: shmap_step(True), "shmap (checks off)": lambda: shmap_step(False),
-               "shmap shares": shares_run, "ddp": lambda: ddp_step, "tdnn+ddp": tdnn_run}
+               "shmap shares": shares_run, "shares (checks off)": lambda: shares_run(False), "ddp": lambda: ddp_step,
+               "tdnn+ddp": tdnn_run}
     names = list(prepare)
     times = {k: [] for k in names}
     cpu = {k: [] for k in names}
@@ -398,11 +400,13 @@ def main():
               f"= x{q['shmap (checks off)']:.2f}, DDP {tm['ddp'] * 1e3:.2f} ms, torch.distributed.nn+all_reduce "
               f"{tm['tdnn+ddp'] * 1e3:.2f} ms = x{q['tdnn+ddp']:.2f}")
         print(f"    with DDP's communication (per-rank loss shares: one all_reduce, as DDP; default checks): "
-              f"{tm['shmap shares'] * 1e3:.2f} ms = x{q['shmap shares']:.2f} DDP")
+              f"{tm['shmap shares'] * 1e3:.2f} ms = x{q['shmap shares']:.2f} DDP; checks off "
+              f"{tm['shares (checks off)'] * 1e3:.2f} ms = x{q['shares (checks off)']:.2f} (what the guard costs: "
+              f"the difference)")
         c = r["cpu"]
         print(f"    main-thread CPU per step (rank 0; steadier than wall time on a busy machine): shares "
               f"{c['shmap shares'] * 1e3:.2f} ms = x{c['shmap shares'] / c['ddp']:.2f} DDP's {c['ddp'] * 1e3:.2f} ms; "
-              f"default {c['shmap'] * 1e3:.2f} ms")
+              f"shares with checks off {c['shares (checks off)'] * 1e3:.2f} ms; default {c['shmap'] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
