@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .backends.deferred import arrived
+from .backends.deferred import Deferred, arrived
 from .backends.functions import _Function
 from .mesh import Mesh, PartitionSpec
 
@@ -252,8 +252,6 @@ def _alias(block):
     a view would wait for it (`deferred.forward_psum`), and the output DTensor is its only holder."""
     if type(block) is torch.Tensor or torch.compiler.is_compiling():  # (Dynamo never meets a Deferred)
         return block.view_as(block)
-    from .backends.deferred import Deferred
-
     return block if type(block) is Deferred else block.view_as(block)
 
 
