@@ -88,9 +88,9 @@ class Deferred(torch.Tensor):
             args = tuple(torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, Deferred) else a
                          for a in args)
             return func(*args, **(kwargs or {}))
-        args = tuple(a.wait() if isinstance(a, Deferred) else a for a in args)
+        args = tuple(_arrived_arg(a) for a in args)
         if kwargs:
-            kwargs = {k: v.wait() if isinstance(v, Deferred) else v for k, v in kwargs.items()}
+            kwargs = {k: _arrived_arg(v) for k, v in kwargs.items()}
         return func(*args, **(kwargs or {}))
 
     def __repr__(self):
@@ -100,6 +100,16 @@ class Deferred(torch.Tensor):
 #: ops that read only a tensor's shape, dtype and device
 _METADATA_ONLY = frozenset({torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
                             torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default})
+
+
+def _arrived_arg(a):
+    """An op's argument with every `Deferred` in it arrived: a tensor, or a list of them (a `_foreach_*`
+    op's, e.g. over gradients taken inside a body), which would otherwise dispatch back here forever."""
+    if isinstance(a, Deferred):
+        return a.wait()
+    if isinstance(a, (list, tuple)) and any(isinstance(t, Deferred) for t in a):
+        return type(a)(t.wait() if isinstance(t, Deferred) else t for t in a)
+    return a
 
 
 def arrived(t):

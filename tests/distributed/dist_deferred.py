@@ -263,6 +263,7 @@ def run_cases():
             fails.append("2x2 mesh: gradients differ from the simulated mesh's")
 
     fails += _buckets_carry_their_signatures(mesh, sim, ws, x)
+    fails += _grads_in_the_body_feed_list_ops(mesh, sim, ws, x)
 
     # .backward() accumulates ordinary tensors into .grad
     grads, _, _, _ = _grads(mesh, ws, x, 1 << 20, how="backward")
@@ -292,6 +293,35 @@ def run_cases():
     a, b = second(mesh), second(sim)
     if not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
         fails.append(f"second derivative differs from the simulated mesh's by {(a - b).abs().max():.3g}")
+    return fails
+
+
+def _in_body_grad_step(ws, x):
+    """An optimizer step in the body (as a fused train step would write it): the gradients taken here are
+    still on the wire (`Deferred`) when list-taking ops (`_foreach_*`, `stack`) read them."""
+    with torch.enable_grad():
+        leaves = [w.detach().requires_grad_() for w in ws]
+        grads = torch.autograd.grad(_body(leaves, x), leaves)
+    norm = torch.stack(torch._foreach_norm(grads)).pow(2).sum().sqrt()
+    return torch._foreach_sub(ws, torch._foreach_mul(grads, 0.1)), norm
+
+
+def _grads_in_the_body_feed_list_ops(mesh, sim, ws, x):
+    """Deferred gradients inside a body reach `_foreach_*` ops as lists: each arrives first (a list
+    once dispatched back to `Deferred` forever)."""
+    def step(m):
+        f = shmap.shard_map(_in_body_grad_step, mesh=m, in_specs=(P(), P("i")), out_specs=(P(), P()))
+        new, norm = f(ws, x)
+        return [w.to_local() if m.is_distributed else w for w in new], norm.to_local() if m.is_distributed else norm
+
+    (got, got_norm), (ref, ref_norm) = step(mesh), step(sim)
+    fails = []
+    if not torch.allclose(got_norm, ref_norm, rtol=1e-12, atol=1e-14):
+        fails.append(f"gradients taken in the body: norm {got_norm} != simulated {ref_norm}")
+    for k, (a, b) in enumerate(zip(got, ref)):
+        if type(a) is not torch.Tensor or not torch.allclose(a, b, rtol=1e-12, atol=1e-14):
+            fails.append(f"gradients taken in the body: updated weight {k} is a {type(a).__name__} or differs "
+                         "from the simulated mesh's")
     return fails
 
 
