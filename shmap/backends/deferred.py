@@ -96,6 +96,11 @@ class Deferred(torch.Tensor):
     def __repr__(self):
         return f"Deferred({self.wait()!r})"
 
+    def __reduce_ex__(self, protocol):
+        """Pickled as its value (`torch.save` of a global loss still on the wire, say): the collective
+        and its wait belong to this process."""
+        return self.wait().__reduce_ex__(protocol)
+
 
 #: ops that read only a tensor's shape, dtype and device
 _METADATA_ONLY = frozenset({torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,

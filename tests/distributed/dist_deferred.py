@@ -13,10 +13,16 @@
   one all_gather per bucket, still reported as one all_gather each;
 - sends a bucket's signature inside its payload, at any size (no exchange beside it);
 - launches only the bucket a read needs (4 ranks: a tensor-parallel read
-  mid-pass leaves the data-parallel bucket filling).
+  mid-pass leaves the data-parallel bucket filling);
+- lets gradients taken inside a body, still on the wire, feed list-taking ops
+  (`_foreach_*`, `stack`: an optimizer step in the body).
+`forward_psum_in_flight` checks a global loss left on the wire (read where the
+caller reads it; saved by `torch.save` as its value).
 Returns a list of failure messages (empty: all passed).
 """
 from __future__ import annotations
+
+import io
 
 import torch
 import torch.distributed as dist
@@ -402,6 +408,17 @@ def forward_psum_in_flight():
 
     def inside(w, x):  # the psum is read by the next op
         return torch.tanh(shmap.psum(x @ w, "i")).sum()
+
+    # A loss still on the wire is saved (metrics, a checkpoint) as its value.
+    f = shmap.shard_map(loss, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+    out = f(shmap.device_put(ws[0], mesh, P()).requires_grad_(), shmap.device_put(x, mesh, P("i")))
+    unread = type(out._local_tensor).__name__ == "Deferred" and out._local_tensor._value is None
+    buf = io.BytesIO()
+    torch.save({"loss": out}, buf)  # (nothing has read it)
+    got = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)["loss"]
+    want = shmap.shard_map(loss, mesh=sim, in_specs=(P(), P("i")), out_specs=P())(ws[0], x)
+    if not (unread and type(got.to_local()) is torch.Tensor and torch.allclose(got.full_tensor(), want, rtol=1e-12)):
+        fails.append(f"torch.save of a loss still on the wire (unread before: {unread}): {got} != {want}")
 
     for name, body, in_flight in (("a loss's psum", loss, True), ("a psum read in the body", inside, False)):
         _, want_v, want_g = run(sim, body)
