@@ -173,8 +173,7 @@ def _autograd_grad(func, args, kwargs):
     phys_out = [o._phys if isinstance(o, ShTensor) else o for o in outputs]
     phys_in = [i._phys if isinstance(i, ShTensor) else i for i in inputs]
     rest = {k: v for k, v in a.items() if k not in ("outputs", "inputs", "grad_outputs")}
-    with torch._C.DisableTorchFunctionSubclass():
-        grads = torch.autograd.grad(phys_out, phys_in, phys_go, **rest)
+    grads = torch.autograd.grad(phys_out, phys_in, phys_go, **rest)
     res = tuple(
         ShTensor(g, i._paxes, i._vma, i._body) if (g is not None and isinstance(i, ShTensor)) else g
         for g, i in zip(grads, inputs)

@@ -207,6 +207,46 @@ def test_checkpoint_matches_plain_torch_with_invariant_parameter(reentrant):
     assert log.summary() == {"psum": 2}  # the forward psum, then w's gradient once
 
 
+class Triple(torch.autograd.Function):
+    """3 x; backward computes on the cotangent (Python running on body values during the pass)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 3 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * g
+
+
+def _through(kind, v, x):
+    """tanh(x @ v) summed, through a hook, an autograd.Function or a non-reentrant checkpoint."""
+    if kind == "hook":
+        v.register_hook(lambda g: g * 3)
+        return torch.tanh(x @ v).sum()
+    if kind == "function":
+        return Triple.apply(torch.tanh(x @ v)).sum()
+    return cp.checkpoint(lambda a, b: torch.tanh(a @ b).sum(), x, v, use_reentrant=False)
+
+
+@pytest.mark.parametrize("kind", ["hook", "function", "checkpoint"])
+def test_autograd_grad_in_a_body_runs_python_in_the_backward_on_body_values(kind):
+    """`torch.autograd.grad` called in a body: the pass runs a hook, a Function's backward or a
+    checkpoint's recomputation on body values (they once met torch-function dispatch switched off)."""
+    w = torch.randn(3, 2, dtype=torch.float64)
+    x = torch.randn(8, 3, dtype=torch.float64)
+
+    def body(w, x):
+        with torch.enable_grad():
+            v = w.detach().requires_grad_()
+            (g,) = torch.autograd.grad(shmap.psum(_through(kind, v, x), "i"), v)
+        return g
+
+    v = w.clone().requires_grad_()
+    (want,) = torch.autograd.grad(_through(kind, v, x), v)  # one device: the whole batch
+    torch.testing.assert_close(sm(body, (P(), P("i")), P())(w, x), want)
+
+
 # ----------------------------------------------------------------------------
 # torch.func inside a body
 # ----------------------------------------------------------------------------

@@ -109,7 +109,27 @@ def _foreach_adam(a, c):
     return p * shmap.psum(n_p ** 2, "i"), q * n_q
 
 
+def _grad_through(kind):
+    """A body taking `torch.autograd.grad` (create_graph: differentiable again from outside) through a
+    hook, an autograd.Function with a psum in its backward, or a non-reentrant checkpoint."""
+    def body(w, x):
+        with torch.enable_grad():
+            v = w.detach().requires_grad_()
+            if kind == "hook":
+                v.register_hook(lambda g: g * 3)
+                y = torch.tanh(x * v)
+            elif kind == "function":
+                y = MulPsumBack.apply(v, x)
+            else:
+                y = cp.checkpoint(_region, x * v, use_reentrant=False)
+            (g,) = torch.autograd.grad(shmap.psum(y.sum(), "i"), v, create_graph=True)
+        return g * w
+    return body
+
+
 CASES = [
+    *[dist_cases.Case(f"autograd.grad in a body through a {kind}", (4,), ("i",), _grad_through(kind),
+                      (P(), P("i")), P(), ((3,), (8, 3))) for kind in ("hook", "function", "checkpoint")],
     dist_cases.Case("torch._foreach_* ops (Adam's form, a norm)", (4,), ("i",), _foreach_adam,
                     (P("i"), P()), (P("i"), P()), ((8, 3), (5,))),
     dist_cases.Case("autograd.Function with psum in backward", (4,), ("i",), _fn_body,
