@@ -99,6 +99,10 @@ def _per_tensor_op(name):
     return op
 
 
+#: foreach ops whose scalar is positional, where the per-tensor op's `value` is keyword-only
+_VALUE_KEYWORD = frozenset({"_foreach_addcmul", "_foreach_addcdiv"})
+
+
 def _at(a, i, n):
     return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
 
@@ -126,6 +130,13 @@ def _foreach(func, args, kwargs):
                 x._lifts = None
             return None
     op = _per_tensor_op(name)
+    if name.rstrip("_") in _VALUE_KEYWORD and len(args) > 3:
+        # The foreach op takes its scalar(s) positionally (torch.optim's Adam does); the per-tensor op's
+        # `value` is keyword-only.  A tensor of scalars gives one per position.
+        value = args[3]
+        if isinstance(value, torch.Tensor) and type(value) is not ShTensor:
+            value = value.tolist()
+        args, kwargs = args[:3], {**kwargs, "value": value}
     outs = [op(*[_at(a, i, n) for a in args], **{k: _at(v, i, n) for k, v in kwargs.items()}) for i in range(n)]
     return None if name.endswith("_") else outs
 

@@ -162,6 +162,38 @@ def test_a_closed_over_tensor_in_a_list_is_typed_as_invariant():
     torch.testing.assert_close(y, 2 * c)
 
 
+def test_a_positional_scalar_reaches_the_per_tensor_op_as_its_keyword():
+    """torch.optim's foreach Adam passes addcmul_'s scalar positionally; `Tensor.addcmul_`'s `value` is
+    keyword-only.  Lists mixing body values and tensors made in the body take the per-position path."""
+    def body(a):
+        made = torch.ones(2)  # a plain tensor made in the body
+        xs = [a * 1, made]
+        torch._foreach_addcmul_(xs, xs, xs, 0.5)
+        torch._foreach_addcdiv_(xs, xs, [a + 2, made + 1], torch.tensor([2.0, 4.0]))  # a tensor of scalars
+        return xs[0]
+
+    a = torch.randn(4)
+    y = a + 0.5 * a * a
+    torch.testing.assert_close(sm(body, P("i"), P("i"))(a), y + 2 * y / (a + 2))
+
+
+def test_foreach_adam_in_a_body_over_a_parameter_made_there():
+    def body(w, x):
+        with torch.enable_grad():
+            p, q = w.detach().clone().requires_grad_(), torch.zeros(2).requires_grad_()
+            opt = torch.optim.Adam([p, q], lr=0.1, foreach=True)
+            shmap.psum(((x @ p) + q).pow(2).sum(), ("i", "j")).backward()
+            opt.step()
+        return p.detach()
+
+    w, x = torch.randn(3, 2), torch.randn(8, 3)
+    p, q = w.clone().requires_grad_(), torch.zeros(2).requires_grad_()
+    opt = torch.optim.Adam([p, q], lr=0.1, foreach=False)
+    ((x @ p) + q).pow(2).sum().backward()
+    opt.step()
+    torch.testing.assert_close(sm(body, (P(), P(("i", "j"))), P())(w, x), p.detach())
+
+
 def test_foreach_on_plain_tensors_is_untouched():
     xs = [torch.randn(3), torch.randn(2)]
     torch.testing.assert_close(torch._foreach_mul(xs, 2.0), [x * 2 for x in xs])
