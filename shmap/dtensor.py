@@ -260,7 +260,15 @@ class _FromBlock(_Function):
 
     As `DTensor.from_local`'s Function: a cotangent placed otherwise is
     redistributed to the output's placements first; under create_graph the
-    local block is taken differentiably (`to_local`).
+    local block is taken differentiably (`to_local`).  A plain cotangent is
+    the global value, as a plain argument is: this rank's block of it.
+
+    The output is saved for the backward pass only to see its version: an
+    in-place update of the DTensor (`out.mul_(3)`) writes the block, which the
+    body's own backward nodes may have saved (tanh saves its output), but
+    bumps only the DTensor's version counter, so autograd's check would pass
+    and the gradient be silently wrong.  The backward raises instead, as the
+    simulated mesh's plain output does.
     """
 
     @staticmethod
@@ -270,13 +278,34 @@ class _FromBlock(_Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.dspec = inputs[1]
+        ctx.save_for_backward(output)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, g):
+        try:
+            ctx.saved_tensors  # (unpacking checks the output's version)
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):  # (a second pass without retain_graph)
+                raise
+            from .errors import InPlaceOutputError
+
+            raise InPlaceOutputError(
+                "shard_map: an output was updated in place after the call (e.g. `out.mul_(3)`, `out += 1`) "
+                "and the backward pass then reached it: the update wrote the block the body's backward "
+                "reads, so the gradient would be wrong. The simulated mesh refuses it too. Fix: update it "
+                "out of place (`out = out * 3`), or detach it first (`out = out.detach()`)."
+            ) from e
         if g is None:
             return None, None
         want = ctx.dspec
+        if not is_dtensor(g):  # the global cotangent every rank holds: this rank's block of it
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec
+            from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+            whole = DTensorSpec(want.mesh, (Replicate(),) * want.mesh.ndim, tensor_meta=want.tensor_meta)
+            return redistribute_local_tensor(g, whole, want), None
         if g._spec.placements != want.placements:
             from torch.distributed.tensor._dtensor_spec import DTensorSpec
             from torch.distributed.tensor._redistribute import redistribute_local_tensor

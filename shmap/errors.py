@@ -39,6 +39,10 @@ class InPlaceInputError(ShmapError, RuntimeError):
     """An in-place op would update a body value that aliases the caller's data (an argument)."""
 
 
+class InPlaceOutputError(ShmapError, RuntimeError):
+    """A shard_map output was updated in place after the call, and a backward pass then needed it."""
+
+
 class TransformError(ShmapError, NotImplementedError):
     """A torch.func transform applied where the distributed mesh cannot carry it (a DTensor argument
     of a shard_mapped function under a transform from outside)."""

@@ -352,6 +352,12 @@ def _exit(path, value, spec, body, mesh, fname):
             # per-device cotangents, which its transpose psums.
             phys, paxes = body.backend.pvary(phys, paxes, tiled, body, shape)
             vma_ = vma_ | frozenset(tiled)
+    marked = body.__dict__.get("read_only")
+    if marked and storage_key(phys) in marked:
+        # An argument (or a view of it, a pvary of it) returned as it is: the output is a new tensor, as
+        # JAX's are.  Else it would alias the caller's tensor, and an in-place update of the output would
+        # write the whole of it on the simulated mesh but only this rank's block of it on a distributed one.
+        phys = phys.clone()
     return body.backend.assemble(phys, paxes, spec, body, shape)
 
 

@@ -297,6 +297,18 @@ def test_inplace_update_of_a_requires_grad_leaf_names_the_argument_not_torchs_le
     assert "leaf" not in str(e.value)
 
 
+def test_an_argument_returned_as_it_is_is_a_new_tensor():
+    """As JAX's outputs: updating the output leaves the caller's tensor alone (on a distributed mesh it
+    would otherwise write only each rank's block of it: tests/distributed/dist_boundary.py)."""
+    x, w = torch.arange(8.0), torch.ones(2)
+    same, view, lifted = sm(lambda a, b: (a, a[::2], shmap.pvary(b, "i")), (P("i"), P()),
+                            (P("i"), P("i"), P("i")))(x, w)
+    for out in (same, view, lifted):
+        out.add_(100)
+    assert torch.equal(x, torch.arange(8.0)) and torch.equal(w, torch.ones(2))
+    torch.testing.assert_close(same, torch.arange(8.0) + 100)
+
+
 def test_inplace_updates_of_values_made_in_the_body_still_work():
     x, w = torch.randn(8), torch.randn(2)
     w0 = w.clone()

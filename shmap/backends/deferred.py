@@ -84,6 +84,9 @@ class Deferred(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is _DETACH and args[0]._value is None:  # (autograd saving a value still on the wire: a
+            d = args[0]                                    # pending detach, still no wait)
+            return Deferred(lambda: d.wait().detach(), d.shape, d.dtype, d.device)
         if func in _METADATA_ONLY:  # (autograd's ones_like seed of a loss still on the wire: no wait)
             args = tuple(torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, Deferred) else a
                          for a in args)
@@ -102,6 +105,7 @@ class Deferred(torch.Tensor):
         return self.wait().__reduce_ex__(protocol)
 
 
+_DETACH = torch.ops.aten.detach.default
 #: ops that read only a tensor's shape, dtype and device
 _METADATA_ONLY = frozenset({torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
                             torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default})

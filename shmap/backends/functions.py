@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..errors import TransformError
 from ..recording import event
 from . import deferred, library
 from . import traced
@@ -66,9 +67,25 @@ def _record(kind, axes, shape, dtype):
 
 
 def _report(kind, g, x, log):
-    """Report collective `kind` on `x` as `log` says: True its shape, False not, a tuple that shape."""
+    """Report collective `kind` on `x` as `log` says: True its shape, False not, a tuple that shape.
+    (Every collective's Function reports before it communicates: where a batch it cannot carry is refused.)"""
+    if _legacy_batched(x):
+        raise _legacy_batch_error(kind)
     if log is not False:
         _record(kind, g.axes, x.shape if log is True else log, x.dtype)
+
+
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def _legacy_batch_error(kind) -> TransformError:
+    return TransformError(
+        f"{kind} on the distributed mesh under `torch.autograd.grad(..., is_grads_batched=True)` (which "
+        "`torch.autograd.functional.jacobian` / `hessian` use with vectorize=True): torch's legacy batching "
+        "has no rule for a collective, so the batch of cotangents cannot travel. Fix: `torch.func.vmap` over "
+        "`torch.func.vjp`, or `torch.func.jacrev` / `hessian`, which work on both meshes; or vectorize=False "
+        "(a loop over the cotangents)."
+    )
 
 
 def _tail(log, t, k):

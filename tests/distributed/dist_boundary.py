@@ -145,6 +145,60 @@ def dtensor_boundary():
         check("Partial" in str(e) or "pending reduction" in str(e), f"message: {e}")
     bad += _output_cotangents(mesh)
     bad += _one_node_per_weight(mesh)
+    bad += _outputs_updated_in_place(mesh)
+    return bad
+
+
+def _outputs_updated_in_place(mesh):
+    """What the simulated mesh does with its plain outputs: an output updated in place after the call is
+    refused by a backward pass that needs it (the DTensor's version counter is not its block's: the
+    gradient was silently wrong); an argument returned as it is comes back as a new tensor (an update of
+    it would write only this rank's block of the caller's tensor); a plain cotangent is the global one;
+    is_grads_batched over a collective is refused with the fix (torch's legacy batching has no rule)."""
+    from shmap.errors import InPlaceOutputError, TransformError
+
+    bad = []
+    spec = P(("i", "j"))
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    w = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    out = shmap.shard_map(lambda w, x: torch.tanh(x * w), mesh=mesh, in_specs=(P(), spec), out_specs=spec)(w, x)
+    out.mul_(3)
+    try:
+        (out ** 2).sum().backward()
+        bad.append("an output updated in place, then backward: no error (the gradient is wrong)")
+    except InPlaceOutputError as e:
+        if "out = out * 3" not in str(e):
+            bad.append(f"an output updated in place: the message gives no fix: {e}")
+
+    again = shmap.shard_map(lambda w, x: torch.tanh(x * w), mesh=mesh, in_specs=(P(), spec), out_specs=spec)
+    loss = again(w, x).to_local().sum()
+    loss.backward()
+    try:
+        loss.backward()  # a second pass without retain_graph: torch's own error, not an in-place one
+        bad.append("a second backward pass without retain_graph: no error")
+    except InPlaceOutputError:
+        bad.append("a second backward pass without retain_graph was reported as an in-place update")
+    except RuntimeError as e:
+        if "second time" not in str(e):
+            raise
+
+    y = torch.arange(8.0)
+    same = shmap.shard_map(lambda v: v, mesh=mesh, in_specs=spec, out_specs=spec)(y)
+    same.to_local().add_(100)
+    if not torch.equal(y, torch.arange(8.0)):
+        bad.append(f"an argument returned as it is aliases the caller's tensor: {y.tolist()}")
+
+    f = shmap.shard_map(lambda w, x: torch.sin(x * w), mesh=mesh, in_specs=(P(), spec), out_specs=spec)
+    (g,) = torch.autograd.grad(f(w, x), w, torch.arange(8, dtype=torch.float64))  # a plain cotangent
+    if not torch.allclose(g, (torch.cos(x * 0.5) * x * torch.arange(8)).sum()):
+        bad.append(f"a plain cotangent of a sharded output: gradient {g} is not the global one's")
+
+    try:
+        torch.autograd.grad(f(w, x).to_local(), w, torch.eye(2, dtype=torch.float64), is_grads_batched=True)
+        bad.append("is_grads_batched over a collective: no error")
+    except TransformError as e:
+        if "torch.func.jacrev" not in str(e):
+            bad.append(f"is_grads_batched over a collective: the message gives no fix: {e}")
     return bad
 
 
