@@ -218,6 +218,8 @@ def _dispatch(func, args, kwargs):
                 pending = True
         elif isinstance(leaf, torch.Tensor):
             tensor_idx.append(k)
+            if type(leaf) is not torch.Tensor and hasattr(leaf, "_spec") and hasattr(leaf, "full_tensor"):
+                _closed_over_dtensor(func, leaf)
             if torch._C._len_torch_dispatch_stack() and type(leaf) is torch.Tensor:
                 _check_traced_closure(func, leaf)
 
@@ -338,6 +340,18 @@ def _check_traced_closure(func, t):
             "node and sees only its arguments. Fix: pass the tensor as an argument with in_spec P() "
             "(replicated), e.g. shard_map(f, in_specs=(..., P()))(..., w)."
         )
+
+
+def _closed_over_dtensor(func, t):
+    """A DTensor closed over by a body (not an argument): it holds only this rank's block, and the body
+    computes per device, so DTensor would mix the two (its own error names neither)."""
+    raise VmaError(
+        f"{op_name(func)}: a shard_map body uses a DTensor (shape {tuple(t.shape)}, placements "
+        f"{tuple(t.placements)}) it closes over. On the distributed mesh a global value enters a body through "
+        "an argument and its in_spec, which say which block each device sees. Fix: pass it as an argument, "
+        "e.g. shard_map(f, in_specs=(..., P()))(..., w), or close over `w.full_tensor()` (the global value, "
+        "every rank holding it)."
+    )
 
 
 def _bad_body(func, body, b):

@@ -193,6 +193,14 @@ def _outputs_updated_in_place(mesh):
     if not torch.allclose(g, (torch.cos(x * 0.5) * x * torch.arange(8)).sum()):
         bad.append(f"a plain cotangent of a sharded output: gradient {g} is not the global one's")
 
+    dw = shmap.device_put(torch.ones(8, dtype=torch.float64), mesh, P())
+    try:  # a DTensor closed over (not an argument): shmap's message, not DTensor's "mixed" error
+        shmap.shard_map(lambda v: v * dw, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+        bad.append("a DTensor closed over by a body: no error")
+    except shmap.VmaError as e:
+        if "closes over" not in str(e) or "full_tensor()" not in str(e):
+            bad.append(f"a DTensor closed over by a body: {e}")
+
     try:
         torch.autograd.grad(f(w, x).to_local(), w, torch.eye(2, dtype=torch.float64), is_grads_batched=True)
         bad.append("is_grads_batched over a collective: no error")
