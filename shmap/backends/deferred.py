@@ -84,8 +84,10 @@ class Deferred(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is _DETACH and args[0]._value is None:  # (autograd saving a value still on the wire: a
-            d = args[0]                                    # pending detach, still no wait)
+        if func is _DETACH and args[0]._value is None and torch._C._current_graph_task_id() == -1:
+            # A forward's output saved by autograd (a loss still on the wire): a pending detach, no wait.
+            # (In a backward pass a detach waits: AccumulateGrad's, say; no Deferred leaves the pass.)
+            d = args[0]
             return Deferred(lambda: d.wait().detach(), d.shape, d.dtype, d.device)
         if func in _METADATA_ONLY:  # (autograd's ones_like seed of a loss still on the wire: no wait)
             args = tuple(torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, Deferred) else a
