@@ -300,11 +300,15 @@ def _world_mesh(shape, names, device) -> Mesh:
     world_pg, got = _WORLD_MESHES.get(key, (None, None))
     if got is None or world_pg is not dist.group.WORLD:  # first use, or a new world since
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.utils._python_dispatch import _disable_current_modes
 
-        dm = init_device_mesh(device.type, shape, mesh_dim_names=names)
-        got = Mesh(torch.arange(n).reshape(shape), names, device=device, device_mesh=dm)
-        _WORLD_MESHES[key] = (dist.group.WORLD, got)
-        from .backends import for_mesh
+        # Real process groups and tensors, also when the first call is traced by torch.compile (a pmap
+        # smaller than the world builds its mesh there): every rank traces the same program, in step.
+        with _disable_current_modes():
+            dm = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            got = Mesh(torch.arange(n).reshape(shape), names, device=device, device_mesh=dm)
+            _WORLD_MESHES[key] = (dist.group.WORLD, got)
+            from .backends import for_mesh
 
-        for_mesh(got)  # its guard and process groups, now, while every rank is in step (docs/distributed.md)
+            for_mesh(got)  # its guard and process groups, now, while every rank is in step (docs/distributed.md)
     return got

@@ -53,6 +53,14 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
         )
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {type(f).__name__}.")
+    if hasattr(f, "_torchdynamo_orig_callable") or isinstance(f, _compiled_module_type()):
+        # Dynamo traced a body value's ops wrongly (a square applied twice, a sum dropped): refused.
+        raise TypeError(
+            "shard_map: f is a torch.compile'd function. Dynamo cannot trace the per-device body on its own "
+            "(its values are shard_map's typed body values, not plain tensors). Fix: compile the "
+            "shard_mapped function instead, torch.compile(shard_map(f, mesh=..., in_specs=..., "
+            "out_specs=...)): the body is then traced once, with its collectives, into the graph."
+        )
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"shard_map: mesh must be a shmap.Mesh, got {type(mesh).__name__}. "
@@ -92,6 +100,14 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
 
 
 _COUNTER = itertools.count()
+
+
+def _compiled_module_type():
+    """`torch.compile(module)`'s type, where Dynamo is already imported (else nothing is compiled yet)."""
+    import sys
+
+    ev = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(ev, "OptimizedModule", ()) if ev is not None else ()
 
 
 def _manual_axes(mesh, axis_names):

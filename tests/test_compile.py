@@ -198,6 +198,16 @@ def test_closed_over_tensor_under_compile_is_a_clear_error():
         torch.compile(f, fullgraph=True)(torch.randn(8, 3))
 
 
+def test_a_compiled_body_is_refused_with_the_fix():
+    """Dynamo traced a body's values wrongly (`psum(a.square().sum())` came back as psum(a ** 4)): a
+    torch.compile'd body (function or module) is refused where the shard_map is built."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    for body in (torch.compile(lambda a: shmap.psum(a.square().sum(), "i"), backend="eager"),
+                 torch.compile(torch.nn.Identity(), backend="eager")):
+        with pytest.raises(TypeError, match=r"torch.compile'd function.*Fix: .*torch.compile\(shard_map\(f"):
+            shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())
+
+
 def test_compiled_with_dynamic_shapes():
     """A recompile for a new batch size makes Dynamo's sizes symbolic; shmap's caches skip them."""
     mesh = shmap.make_mesh((4,), ("i",))

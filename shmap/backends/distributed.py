@@ -163,9 +163,12 @@ class Distributed(Backend):
             t = mesh.devices.permute(rest + dims).reshape(-1, math.prod(mesh.shape[a] for a in axes))
             from datetime import timedelta
 
-            pg, _ = dist.new_subgroups_by_enumeration(
-                [row.tolist() for row in t], timeout=timedelta(seconds=self.watch.pg_timeout)
-            )
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # (real groups, also when torch.compile traces the first use)
+                pg, _ = dist.new_subgroups_by_enumeration(
+                    [row.tolist() for row in t], timeout=timedelta(seconds=self.watch.pg_timeout)
+                )
         self._pgs[key] = pg
         return pg
 

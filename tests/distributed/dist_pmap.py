@@ -131,6 +131,15 @@ def run_compiled():
     """torch.compile (fullgraph) of a pmap over the world taking and returning dicts, forward and
     backward, against the same pmap run eagerly; compiled first, so the mesh is created under
     tracing.  A pmap smaller than the world with autograd is refused with a clear error there."""
+    # Compiled first, forward only: a pmap smaller than the world, and a nested pmap, build their meshes
+    # (and process groups) while the call is traced; new axis names, so nothing was built eagerly before.
+    inner = shmap.pmap(lambda b: shmap.psum(b, "m"), "m")
+    first = {}
+    for name, fn, arg in (("half", shmap.pmap(lambda v: shmap.psum(v * 2, "h"), "h"), _data(2, 3, seed=9)),
+                          ("nested", shmap.pmap(lambda a: inner(a), "d"), _data(2, 2, 3, seed=10))):
+        got = _full(torch.compile(fn, fullgraph=True, backend="aot_eager")(arg))
+        first[name] = torch.equal(got, _full(fn(arg)))
+
     f = shmap.pmap(lambda d: {"a": shmap.psum(torch.sin(d["x"]) * d["w"], "i"), "b": d["x"] * 2}, "i",
                    in_axes=({"x": 0, "w": None},))
     x, w = _data(4, 3, seed=6), _data(3, seed=7)
@@ -145,7 +154,7 @@ def run_compiled():
     got = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
     want = run(f)
     out = {"keys": got[0], "equal": all(torch.equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2])),
-           "comm": (got[3], want[3])}
+           "comm": (got[3], want[3]), "first": first}
     half = shmap.pmap(lambda v: shmap.psum(v, "i"), "i")
     try:
         v = _data(2, 3, seed=8).requires_grad_()

@@ -68,6 +68,8 @@ def test_pmap_compiles_as_one_graph_and_equals_eager(results):
     for got in [sim["compiled"]] + [r["compiled"] for r in ranks]:
         assert got["keys"] == ["a", "b"] and got["equal"], got
         assert got["comm"][0] == got["comm"][1], got["comm"]
+        # compiled first: a pmap smaller than the world and a nested pmap build their meshes under tracing
+        assert got["first"] == {"half": True, "nested": True}, got["first"]
     assert sim["compiled"]["half"] is None  # (simulated: any size compiles)
     for got in ranks:
         msg = got["compiled"]["half"]
