@@ -125,6 +125,9 @@ def exit(path, value, spec, body, mesh, fname):
     x = _output_value(path, value, body, fname)
     own = frozenset(body.own)
     _check_spec(spec, path, x.shape, mesh, body.own, fname, what="the output", split=False)
+    implicit = spec.unreduced - x._unreduced
+    if implicit and body.check_vma and implicit <= x._vma:  # as at the top level (and JAX): an implicit pcast
+        x = ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | implicit)
     own_unred = x._unreduced & own
     if own_unred != spec.unreduced:
         raise VmaError(

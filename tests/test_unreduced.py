@@ -140,3 +140,22 @@ def test_rules_are_keyed_by_callables_not_names():
 
     with pytest.raises(shmap.VmaError, match="does not commute"):
         sm(body, P("i"), P())(torch.randn(8))
+
+
+def test_a_nested_out_spec_unreduced_along_a_varying_axis_makes_the_pending_sum():
+    """As at the top level (and JAX): an inner shard_map's out_spec unreduced along an axis its value
+    varies on is an implicit pcast, not a type error; the parent sees the sum, with its gradient."""
+    mesh = shmap.make_mesh((2, 2), ("i", "j"))
+    x = torch.arange(16.0).reshape(4, 4).requires_grad_()
+
+    def outer(v):
+        return shmap.shard_map(lambda t: t.sum(1) * t[:, 0], mesh=mesh, in_specs=P(None, "j"),
+                               out_specs=P(unreduced={"j"}))(v)
+
+    got = shmap.shard_map(outer, mesh=mesh, in_specs=P("i"), out_specs=P("i"), axis_names={"i"})(x)
+    flat = shmap.shard_map(lambda t: t.sum(1) * t[:, 0], mesh=mesh, in_specs=P("i", "j"),
+                           out_specs=P("i", unreduced={"j"}))(x)
+    torch.testing.assert_close(got, flat)
+    (g,) = torch.autograd.grad((got ** 2).sum(), x)
+    (want,) = torch.autograd.grad((flat ** 2).sum(), x)
+    torch.testing.assert_close(g, want)
