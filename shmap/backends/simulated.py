@@ -317,14 +317,29 @@ class Simulated(Backend):
 
 
 def _sum_over(phys, paxes, axes, body):
-    """Sum over the devices of `axes`: their leading dims, times the size of those the value
-    is broadcast along (typed varying by a lift, stored once). Returns (sum, remaining paxes)."""
-    dims = [paxes.index(a) for a in axes if a in paxes]
+    """Sum over the devices of `axes`: their leading dims, and those the value is broadcast along
+    (typed varying by a lift, stored once). Returns (sum, remaining paxes).
+
+    In the distributed mesh's order, so that a small floating sum has its bits: one process per
+    device adds the devices' blocks one after another in position order (the tuple's, major first:
+    `transports.reduce_rows`), and a value broadcast along an axis is that many real copies (whose
+    sum is not n * x in floating point).  Integers wrap alike either way: n * x for those."""
     missing = [a for a in axes if a not in paxes]
-    out = _device_sum(phys, dims) if dims else phys
+    floating = phys.dtype.is_floating_point or phys.dtype.is_complex
+    if missing and floating:
+        target = body.order((*paxes, *missing))
+        phys, paxes, missing = expand_to(phys, paxes, target, body.sizes), target, []
+    dims = [paxes.index(a) for a in axes if a in paxes]
+    rest_axes = tuple(a for a in paxes if a not in axes)
+    if len(dims) > 1 and floating:  # the devices as one dim in position order, summed row by row
+        rest = [d for d in range(phys.dim()) if d not in dims]
+        t = phys.permute(dims + rest).contiguous()
+        out = _device_sum(t.flatten(0, len(dims) - 1), [0])
+    else:
+        out = _device_sum(phys, dims) if dims else phys
     if missing:
         out = out * math.prod(body.sizes[a] for a in missing)
-    return out, tuple(a for a in paxes if a not in axes)
+    return out, rest_axes
 
 
 def _device_sum(t, dims):

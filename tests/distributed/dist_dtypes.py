@@ -129,12 +129,18 @@ def every_collective_every_dtype(transport="gloo"):
 def rounding_sums():
     """Random float32 and float64 blocks, whose sums round at every addition: a small psum or pmean (an
     all_gather reduced on each rank, see transports.gathered_reduce) gives the simulated mesh's bits on
-    4 ranks too, over one axis and over two (a ring all_reduce adds in another order); compiled, too."""
+    4 ranks too, over one axis and over two (a ring all_reduce adds in another order), of a value split
+    along both or of an invariant one; compiled, too."""
     import torch._dynamo
 
     bad = []
-    for shape, names, axes, spec in [((4,), ("i",), "i", P("i")), ((2, 2), ("i", "j"), ("j", "i"), P(("j", "i"))),
-                                     ((2, 2), ("i", "j"), ("i", "j"), P(("i", "j")))]:
+    ij = ((2, 2), ("i", "j"))
+    for shape, names, axes, spec in [((4,), ("i",), "i", P("i")), (*ij, ("j", "i"), P(("j", "i"))),
+                                     (*ij, ("i", "j"), P(("i", "j"))),
+                                     # two device dims summed at once, in either order; an invariant value
+                                     # (its implicit pvary: 4 real copies, whose sum is not 4 * x)
+                                     (*ij, ("i", "j"), P("i", "j")), (*ij, ("j", "i"), P("i", "j")),
+                                     (*ij, ("i", "j"), P())]:
         sim_mesh = shmap.make_mesh(shape, names, distributed=False)
         dist_mesh = shmap.make_mesh(shape, names)
         for dtype in (torch.float32, torch.float64):
