@@ -76,7 +76,7 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
                     dead.setdefault(r, time.monotonic())
                     # A result put just before exiting may still be in the pipe: give it a moment.
                     if p.exitcode != 0 or time.monotonic() - dead[r] > 2.0:
-                        errors[r] = ("ProcessDied", f"exited with code {p.exitcode} without a result", "")
+                        errors[r] = ("ProcessDied", _died(p.exitcode), "")
                         first_failure = first_failure or time.monotonic()
                 continue
             if ok:
@@ -99,6 +99,23 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
     if errors:
         raise SpawnError(_summary(errors, nprocs, results), errors, results)
     return [results[r] for r in range(nprocs)]
+
+
+def _died(code) -> str:
+    """Why a rank ended without a result, as far as its exit code says."""
+    import signal
+
+    msg = f"exited with code {code} without a result"
+    if code is not None and code < 0:
+        try:
+            msg += f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+        if code == -signal.SIGABRT:
+            msg += ("; if its stderr shows gloo's 'Received data size doesn't match expected size', a peer "
+                    "sent it a larger block than it expected: the ranks called a ppermute or all_to_all with "
+                    "different shapes (a sender with nothing to receive cannot notice)")
+    return msg
 
 
 def _summary(errors, nprocs, results=()) -> str:

@@ -270,3 +270,12 @@ def slow_receiver():
         return firsts
     finally:
         config._POLL[0], config._OPTIONS["poll"] = saved
+
+
+def ppermute_bigger_sender():
+    """A partial ppermute (1 -> 0) whose sender's block is larger than the receiver's: gloo aborts the
+    receiver (SIGABRT), and the sender, with nothing to receive, returns."""
+    n = 4 if _rank() == 0 else 6
+    shmap.shard_map(lambda b: shmap.ppermute(b, "i", [(1, 0)]), mesh=_mesh(), in_specs=P("i"),
+                    out_specs=P("i"))(torch.ones(2, n))
+    return "finished"

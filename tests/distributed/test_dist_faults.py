@@ -155,3 +155,11 @@ def test_a_late_receiver_does_not_hang_a_ppermute():
     per = 200_000
     for firsts in results:  # block 0 comes from the last rank: its first element is (n - 1) * per + k
         assert firsts == [float(per + k) for k in range(3)], firsts
+
+
+def test_a_rank_gloo_aborts_is_reported_with_the_likely_cause():
+    """No rank can name this mismatch (the receiver dies in gloo, the sender has nothing to wait for):
+    spawn says how the receiver ended and what gloo's abort usually means."""
+    err = run_failing(dist_faults.ppermute_bigger_sender, nprocs=2)
+    name, msg, _ = err.errors[0]
+    assert name == "ProcessDied" and "SIGABRT" in msg and "different shapes" in msg, err
