@@ -4,7 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The main job's run: the default model on the Shakespeare corpus, simulated 8-device mesh.
-TRAIN_ARGS ?= --mesh fsdp=2,tensor=4 --out runs/train --checkpoint-dir runs/train/checkpoints
+RUN := runs/train
+TRAIN_ARGS ?= --mesh fsdp=2,tensor=4 --out $(RUN) --checkpoint-dir $(RUN)/checkpoints
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +24,10 @@ install-train: install
 install-test: install-train
 	$(BIN)/pip install -q -e '.[test]'
 
+# Each run starts afresh; the previous one is kept beside it (a new run refuses a checkpoint directory
+# that holds another run's checkpoints: continue one with `$(BIN)/shmap-train $(TRAIN_ARGS) --resume`).
 train: install-train
+	@if [ -d $(RUN) ]; then rm -rf $(RUN).prev && mv $(RUN) $(RUN).prev && echo "make train: the previous run moved to $(RUN).prev"; fi
 	$(BIN)/python -m shmap.train $(TRAIN_ARGS)
 
 demo: install

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import Config, ConfigError
 
@@ -42,12 +43,31 @@ def _single_process_quiet():
         yield
 
 
+def _complete(d: Path) -> list:
+    """The complete checkpoints in `d` (`step_<number>/` with its meta.json), oldest first, by step."""
+    found = [(int(p.name[5:]), p) for p in d.glob("step_*")
+             if p.name[5:].isdigit() and p.is_dir() and (p / "meta.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
 def latest(directory) -> Path | None:
     """The newest complete checkpoint in `directory`, or None."""
-    d = Path(directory)
-    done = sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / "meta.json").is_file())
+    done = _complete(Path(directory))
     return done[-1] if done else None
+
+
+def previous(path) -> Path | None:
+    """The complete checkpoint before `path` in its directory, or None."""
+    done = _complete(Path(path).parent)
+    return done[done.index(Path(path)) - 1] if Path(path) in done and done.index(Path(path)) > 0 else None
+
+
+def _unreadable(path, e) -> ConfigError:
+    before = previous(path)
+    fix = (f"delete it to resume from the one before, {before}" if before is not None
+           else "start a new run in another --checkpoint-dir")
+    return ConfigError(f"--resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else 'no detail'}). Fix: {fix}.")
 
 
 def save(directory, cfg: Config, step: int, params, opt) -> Path:
@@ -70,7 +90,7 @@ def save(directory, cfg: Config, step: int, params, opt) -> Path:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[:-KEEP]:
+        for old in _complete(d)[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -82,7 +102,11 @@ def read_meta(path) -> dict:
 
 def check_compatible(cfg: Config, path) -> dict:
     """The checkpoint's metadata, after checking it was written by a model of this shape."""
-    meta = read_meta(path)
+    try:
+        meta = read_meta(path)
+        meta["model"].items(), meta["step"], meta.get("seed")  # (the fields read below)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _unreadable(path, e) from None
     ours = cfg.model_shape()
     diff = {k: (meta["model"].get(k), v) for k, v in ours.items() if meta["model"].get(k) != v}
     if diff:
@@ -102,7 +126,10 @@ def check_compatible(cfg: Config, path) -> dict:
 def load(path, params, opt):
     """Fill `params`/`opt` (laid out for this run's mesh) from the checkpoint at `path`, in place."""
     state = {"params": params, "opt": opt, "rng": torch.get_rng_state()}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's errors for damaged files vary (and
+        raise _unreadable(path, e) from None          # its CheckpointException is a BaseException)
     torch.set_rng_state(state["rng"])
     return state["params"], state["opt"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 #: Mesh axes the recipe knows, in mesh order: what each does is decided in model.Layout.
@@ -125,10 +126,18 @@ def validate(cfg: Config) -> Config:
          f"features. Fix: e.g. --heads {_divisor(cfg.embed_dim, cfg.heads)}.")
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
     need(cfg.block in BLOCKS, f"--block {cfg.block}: choose one of {', '.join(BLOCKS)}.")
-    need(cfg.lr > 0, f"--lr {cfg.lr}: must be > 0.")
+    need(math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr {cfg.lr}: must be a finite number > 0.")
+    need(math.isfinite(cfg.clip) and cfg.clip >= 0,
+         f"--clip {cfg.clip}: must be a finite number >= 0 (0 turns clipping off). Fix: e.g. --clip 1.0.")
     need(cfg.warmup >= 0, f"--warmup {cfg.warmup}: must be >= 0.")
     need(cfg.checkpoint_every >= 0 and cfg.eval_every >= 0, "--checkpoint-every / --eval-every must be >= 0.")
+    need(cfg.eval_batches >= 1, f"--eval-batches {cfg.eval_batches}: must be >= 1 (the validation loss averages "
+                                "that many batches).")
+    need(cfg.sample_len >= 0, f"--sample-len {cfg.sample_len}: must be >= 0 (0: no sample).")
     need(not cfg.resume or cfg.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the run saved).")
+    need(not cfg.checkpoint_every or cfg.checkpoint_dir,
+         f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR (where to save). Fix: add "
+         "--checkpoint-dir, or drop --checkpoint-every.")
     need(0 < cfg.val_fraction < 1, f"val_fraction {cfg.val_fraction}: must be in (0, 1).")
     mesh = cfg.mesh or {}
     batch = mesh.get("data", 1) * mesh.get("fsdp", 1)

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,11 @@ class Run:
         params, opt = self.fresh_state()
         cfg = self.cfg
         if not cfg.resume:
+            old = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+            if old is not None:  # a new run there would mix its checkpoints with (and lose them to) the old one's
+                raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir} holds an earlier run's checkpoints "
+                                  f"(the latest: {old.name}). Fix: --resume to continue that run, or another "
+                                  "(or an emptied) --checkpoint-dir for a new one.")
             return params, opt, 0
         path = checkpoint.latest(cfg.checkpoint_dir)
         if path is None:
@@ -175,8 +181,10 @@ class RecordWriter:
         if record is None:
             return
         out = {k: (_value(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
-        if "train_loss" in out and not math.isfinite(out["train_loss"]):
-            raise NonFiniteLossError(f"step {out['step']}: the training loss is {out['train_loss']}")
+        for key, what in (("train_loss", "the training loss"), ("grad_norm", "the gradient norm")):
+            # (a non-finite gradient makes the update's parameters non-finite: never save those)
+            if key in out and not math.isfinite(out[key]):
+                raise NonFiniteLossError(f"step {out['step']}: {what} is {out[key]}")
         self.write(out)
 
     def write(self, out: dict):
@@ -254,12 +262,11 @@ def train(cfg: Config, log=print) -> dict:
     log(f"shmap-train: {n_params / 1e6:.2f}M parameters, mesh {cfg.describe_mesh()}"
         f"{' (' + str(run.mesh) + ')' if run.mesh is not None else ' (plain PyTorch)'}, "
         f"{len(run.corpus.train) / 1e6:.1f} MB of training bytes, {cfg.steps} steps")
+    _check_output_dirs(cfg)
     params, opt, start = run.init_or_resume(log)
     out = Path(cfg.out) if cfg.out else None
     if out is not None and main_rank:
-        out.mkdir(parents=True, exist_ok=True)
-        if start == 0 and (out / "metrics.jsonl").exists():
-            (out / "metrics.jsonl").unlink()
+        _keep_metrics_before(out / "metrics.jsonl", start)  # a resumed run rewrites what came after
     bar = None
     if cfg.progress and main_rank:
         from tqdm.auto import tqdm
@@ -268,12 +275,13 @@ def train(cfg: Config, log=print) -> dict:
     writer = RecordWriter(out / "metrics.jsonl" if out is not None and main_rank else None, bar, log)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     last_saved = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    step = start
+    step = completed = start  # `completed`: the steps `params` / `opt` hold (what an interrupt saves)
     result = {}
     try:
         t_prev = time.perf_counter()
         for step in range(start, cfg.steps):
             params, opt, metrics = run.step(params, opt, step)
+            completed = step + 1
             now = time.perf_counter()
             writer({"step": step, **metrics, "lr": optim.learning_rate(cfg, step),
                     "tokens_per_s": tokens_per_step / max(now - t_prev, 1e-9)})
@@ -308,16 +316,21 @@ def train(cfg: Config, log=print) -> dict:
         where = f"the last good checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
         raise NonFiniteLossError(f"{e}; training stopped ({where}). Fix: a lower --lr, a longer --warmup, "
                                  "or --clip 1.0.") from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if bar is not None:
             bar.close()
-        if cfg.checkpoint_dir:
-            # `step` was still running: params/opt are the state after the last completed step
-            done = step
-            path = checkpoint.save(cfg.checkpoint_dir, cfg, done, params, opt)
-            log(f"\ninterrupted: saved the state after {done} steps to {path}; continue with --resume")
-        else:
+        if not cfg.checkpoint_dir:
             log("\ninterrupted (no --checkpoint-dir, nothing saved)")
+        elif last_saved is not None and checkpoint.read_meta(last_saved)["step"] == completed:
+            log(f"\ninterrupted: the state after {completed} steps is saved in {last_saved}; continue with --resume")
+        else:
+            try:
+                writer.flush()  # (its last step's loss and gradient norm must be finite to save its state)
+            except NonFiniteLossError as e:
+                log(f"\ninterrupted: {e}, so that state is not saved (the last good checkpoint is {last_saved})")
+                raise interrupt from None
+            path = checkpoint.save(cfg.checkpoint_dir, cfg, completed, params, opt)
+            log(f"\ninterrupted: saved the state after {completed} steps to {path}; continue with --resume")
         raise
     finally:
         writer.close()
@@ -339,6 +352,27 @@ def train(cfg: Config, log=print) -> dict:
                                                                     else ""))
     log(f"final validation loss: {result['final_val_loss']:.4f} nats/byte")
     return result
+
+
+def _check_output_dirs(cfg: Config):
+    """--out and --checkpoint-dir must be (or become) directories, checked before any work."""
+    for flag, d in (("--out", cfg.out), ("--checkpoint-dir", cfg.checkpoint_dir)):
+        if not d:
+            continue
+        try:
+            Path(d).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{flag} {d}: cannot be made a directory ({e.strerror or e}). Fix: a writable "
+                              "directory path.") from None
+
+
+def _keep_metrics_before(path: Path, start: int):
+    """Keep the lines of an earlier run's metrics up to the step this one starts from (none, fresh)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if start and line.strip() and json.loads(line).get("step", start) < start]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _read_history(path: Path) -> list:
@@ -383,18 +417,33 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `timeout`'s stop), met as Ctrl-C is: the state is saved first."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     keep_freed_memory()
     code = 0
+    # One process: SIGTERM saves as Ctrl-C does.  Under torchrun it stops at once, as before: torchrun
+    # sends it to tear a job down after a rank failed, when a save would wait for the dead rank.
+    alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if alone else None
     try:
         _init_distributed(cfg)
         train(cfg)
     except (ConfigError, NonFiniteLossError) as e:  # every rank meets these alike
         print(f"shmap-train: error: {e}", file=sys.stderr)
         code = 1 if isinstance(e, NonFiniteLossError) else 2
-    except KeyboardInterrupt:  # (torchrun passes Ctrl-C to every rank)
-        code = 130
+    except KeyboardInterrupt as e:  # (torchrun passes Ctrl-C to every rank)
+        code = 143 if isinstance(e, Terminated) else 130
+    finally:
+        if alone:
+            signal.signal(signal.SIGTERM, previous)
     # Under torchrun: tell the other ranks this one finished, wait for them, destroy the process groups.
     # Any other exception propagates without this: the process's exception hook reports it to the other
     # ranks, which name it, and this rank leaves first (so torchrun's "root cause" is this rank).

@@ -77,17 +77,23 @@ def test_a_world_of_the_wrong_size_is_refused_naming_the_flag():
 
 
 def test_a_failure_on_one_rank_is_torchruns_root_cause(tmp_path):
-    """Rank 0 alone writes --out, so an --out that is a file fails there only, after make_mesh.  That
-    rank must leave first, with its own status (it was SIGTERMed by torchrun after the other rank when
-    `main` destroyed the process groups on the way out, skipping the exit protocol), so that torchrun's
-    root cause is its error.  (torchrun then stops the other rank, which, when it gets to say anything
-    first, names rank 0's error.)"""
+    """Rank 0 alone writes --out's metrics, so a `metrics.jsonl` there that is a directory fails on that
+    rank only, after make_mesh.  That rank must leave first, with its own status (it was SIGTERMed by
+    torchrun after the other rank when `main` destroyed the process groups on the way out, skipping the
+    exit protocol), so that torchrun's root cause is its error.  (torchrun then stops the other rank,
+    which, when it gets to say anything first, names rank 0's error.)"""
+    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)
+    p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(tmp_path / "out"))
+    assert p.returncode != 0
+    root = p.stderr[p.stderr.index("Root Cause"):]
+    assert "rank      : 0 " in root and "exitcode  : 1 " in root and "IsADirectoryError" in root, root
+    if "RankFailedError" in p.stderr:
+        assert "rank 0: IsADirectoryError" in p.stderr, p.stderr[-3000:]
+
+
+def test_an_out_path_that_is_a_file_is_refused_on_every_rank(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("")
     p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(f))
-    assert p.returncode != 0
-    root = p.stderr[p.stderr.index("Root Cause"):]
-    assert "rank      : 0 " in root and "exitcode  : 1 " in root and "FileExistsError" in root, root
-    if "RankFailedError" in p.stderr:
-        assert "rank 0: FileExistsError" in p.stderr, p.stderr[-3000:]
+    assert p.returncode != 0 and f"--out {f}: cannot be made a directory" in p.stderr
     assert f.read_text() == ""  # nothing written over the user's file

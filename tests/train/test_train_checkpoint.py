@@ -62,3 +62,29 @@ def test_an_unfinished_save_is_never_taken_for_a_checkpoint(saved, tmp_path):
     shutil.copytree(d / "c" / "step_00000003", tmp_path / "step_00000003")
     shutil.copytree(d / "c" / "step_00000006", tmp_path / "step_00000009.tmp")  # a save cut off midway
     assert checkpoint.latest(tmp_path).name == "step_00000003"
+
+
+def test_an_unreadable_checkpoint_names_the_one_before_it(saved, tmp_path):
+    d, _ = saved
+    ck = tmp_path / "c"
+    for name in ("step_00000003", "step_00000006"):
+        shutil.copytree(d / "c" / name, ck / name)
+    for f in (ck / "step_00000006").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:10])  # truncated
+    with pytest.raises(ConfigError, match=r"step_00000006 cannot be read .*Fix: delete it to resume from the one "
+                                          r"before, .*step_00000003"):
+        loop.train(tiny("fsdp=4", steps=8, checkpoint_dir=str(ck), resume=True), log=lambda *a: None)
+    (ck / "step_00000006" / "meta.json").write_text("{}")  # damaged metadata
+    with pytest.raises(ConfigError, match=r"step_00000006 cannot be read \(KeyError"):
+        loop.train(tiny("fsdp=4", steps=8, checkpoint_dir=str(ck), resume=True), log=lambda *a: None)
+
+
+def test_only_step_numbers_count_as_checkpoints_newest_by_number(saved, tmp_path):
+    d, _ = saved
+    ck = tmp_path / "c"
+    shutil.copytree(d / "c" / "step_00000003", ck / "step_00000003")
+    shutil.copytree(d / "c" / "step_00000003", ck / "step_junk")   # not a step number
+    (ck / "step_99").mkdir()                                          # no meta.json: not complete
+    shutil.copytree(d / "c" / "step_00000003", ck / "step_10")       # numerically newer than 00000003
+    assert checkpoint.latest(ck).name == "step_10"
+    assert checkpoint.previous(ck / "step_10").name == "step_00000003"

@@ -1,4 +1,6 @@
 """shmap/train/config.py: the command line and the checks that refuse a run before it starts."""
+import re
+
 import pytest
 
 from shmap.train import config
@@ -59,3 +61,16 @@ def test_the_command_line_maps_onto_the_config():
     assert cfg.mesh == {"fsdp": 2} and cfg.steps == 7 and cfg.lr == 0.01 and cfg.block == "cookbook"
     assert cfg.head_dim == 8 and cfg.progress is False and cfg.resume and cfg.checkpoint_every == 3
     assert config.Config().mesh == {"fsdp": 2, "tensor": 4}  # the default: the mesh `make train` shows
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(lr=float("inf")), "--lr inf: must be a finite number > 0"),
+    (dict(clip=-1.0), "--clip -1.0: must be a finite number >= 0"),
+    (dict(clip=float("nan")), "--clip nan"),
+    (dict(eval_batches=0), "--eval-batches 0: must be >= 1"),
+    (dict(sample_len=-5), "--sample-len -5: must be >= 0"),
+    (dict(checkpoint_every=2), "--checkpoint-every 2 needs --checkpoint-dir"),
+])
+def test_numbers_the_run_cannot_use_are_refused_naming_the_flag(kw, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        tiny("none", **kw)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shmap.train import checkpoint, loop
+from shmap.train.config import ConfigError
 
 from .tiny import MESHES, TINY_FLAGS, tiny
 
@@ -115,6 +116,87 @@ def test_ctrl_c_saves_a_checkpoint_to_resume_from(tmp_path, monkeypatch):
     resumed = loop.train(tiny("fsdp=2", steps=6, checkpoint_dir=str(ck), resume=True), **QUIET)
     full = loop.train(tiny("fsdp=2", steps=6), **QUIET)
     assert _losses(resumed) == _losses(full)[3:]
+
+
+def _interrupt_at(monkeypatch, cls, name, call, exc=KeyboardInterrupt):
+    """Make the `call`-th call of `cls.name` raise `exc` (a Ctrl-C landing there)."""
+    real, calls = getattr(cls, name), [0]
+
+    def hit(*a, **k):
+        calls[0] += 1
+        if calls[0] == call:
+            raise exc()
+        return real(*a, **k)
+
+    monkeypatch.setattr(cls, name, hit)
+    return real
+
+
+@pytest.mark.parametrize("where", ["evaluate", "save"])
+def test_ctrl_c_after_a_step_saves_that_step_under_its_own_number(tmp_path, monkeypatch, where):
+    """Landing in an evaluation or a periodic save, after step 3 (the 4th) has updated the state: the
+    checkpoint says 4 steps, resuming continues exactly, and the good checkpoint of step 2 is kept."""
+    ck = tmp_path / "ck"
+    kw = dict(steps=6, checkpoint_dir=str(ck), checkpoint_every=2, eval_every=2)
+    if where == "evaluate":
+        real = _interrupt_at(monkeypatch, loop.Run, "evaluate", 2)  # after 4 steps
+    else:
+        real = _interrupt_at(monkeypatch, checkpoint, "save", 2)    # saving the state after 4 steps
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tiny("fsdp=2", **kw), **QUIET)
+    monkeypatch.setattr(loop.Run if where == "evaluate" else checkpoint, where, real)
+    assert [checkpoint.read_meta(p)["step"] for p in sorted(ck.glob("step_0*"))] == [2, 4]
+    resumed = loop.train(tiny("fsdp=2", **kw, resume=True), **QUIET)
+    full = loop.train(tiny("fsdp=2", **{**kw, "checkpoint_dir": str(tmp_path / "full")}), **QUIET)
+    assert _losses(resumed) == _losses(full)[4:]
+
+
+def test_sigterm_is_met_as_ctrl_c(tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    _interrupt_at(monkeypatch, loop.Run, "step", 4, loop.Terminated)
+    code = loop.main([*TINY_FLAGS, "--mesh", "data=2", "--steps", "6", "--checkpoint-dir", str(ck)])
+    assert code == 143 and checkpoint.read_meta(checkpoint.latest(ck))["step"] == 3
+
+
+def test_a_non_finite_gradient_norm_is_never_saved(tmp_path, monkeypatch):
+    step = loop.Run.step
+
+    def poisoned(self, params, opt, k):
+        params, opt, m = step(self, params, opt, k)
+        if k == 2:
+            m["grad_norm"] = m["grad_norm"] * float("nan")
+        return params, opt, m
+
+    monkeypatch.setattr(loop.Run, "step", poisoned)
+    ck = tmp_path / "ck"
+    with pytest.raises(loop.NonFiniteLossError, match=r"step 2: the gradient norm is nan.*step_00000002"):
+        loop.train(tiny("data=2", steps=8, checkpoint_dir=str(ck), checkpoint_every=2), **QUIET)
+    assert checkpoint.latest(ck).name == "step_00000002"
+
+
+def test_a_new_run_refuses_another_runs_checkpoints_and_bad_output_paths(tmp_path):
+    ck = tmp_path / "ck"
+    loop.train(tiny("none", steps=2, checkpoint_dir=str(ck)), **QUIET)
+    with pytest.raises(ConfigError, match=r"holds an earlier run's checkpoints \(the latest: step_00000002\)\. "
+                                          r"Fix: --resume"):
+        loop.train(tiny("none", steps=2, seed=7, checkpoint_dir=str(ck)), **QUIET)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for flag, kw in (("--out", dict(out=str(a_file))), ("--checkpoint-dir", dict(checkpoint_dir=str(a_file)))):
+        with pytest.raises(ConfigError, match=f"{flag} {a_file}: cannot be made a directory"):
+            loop.train(tiny("none", steps=2, **kw), **QUIET)
+
+
+def test_a_resumed_runs_metrics_continue_without_repeats(tmp_path, monkeypatch):
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    real = _interrupt_at(monkeypatch, loop.Run, "step", 4)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tiny("none", steps=6, checkpoint_dir=str(ck), out=str(out), eval_every=2), **QUIET)
+    monkeypatch.setattr(loop.Run, "step", real)
+    loop.train(tiny("none", steps=6, checkpoint_dir=str(ck), out=str(out), eval_every=2, resume=True), **QUIET)
+    lines = [json.loads(t) for t in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train_loss" in r] == list(range(6))
+    assert [r["step"] for r in lines if "val_loss" in r] == [2, 4, 6]
 
 
 def test_the_command_runs_and_reports_bad_flags(tmp_path):
