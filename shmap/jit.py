@@ -124,6 +124,9 @@ def jit(f=None, /, *, backend: str = "inductor", max_entries: int = 64):
         raise ValueError(f"shmap.jit: backend must be 'inductor' or 'eager', got {backend!r}.")
     if not callable(f):
         raise TypeError(f"shmap.jit: f must be callable, got {type(f).__name__}.")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+        raise ValueError(f"shmap.jit: max_entries must be a positive int (traces kept per function), got "
+                         f"{max_entries!r}. Fix: e.g. max_entries=64.")
     return Jitted(f, backend, max_entries)
 
 

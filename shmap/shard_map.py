@@ -184,7 +184,7 @@ def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
         got = _VALIDATED.get(key)
     except TypeError:  # symbolic sizes (torch.compile's dynamic shapes) do not hash
         got = None
-    if got is spec:
+    if got is spec and got is not None:  # (a missing entry is None too: never a validated spec)
         return
     _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
     if all(type(s) is int for s in shape) and len(_VALIDATED) < 65536:

@@ -385,3 +385,9 @@ def _distributed_case():
 def test_distributed_mesh_is_not_implemented_and_names_torch_compile():
     results = shmap.spawn(_distributed_case, nprocs=2, timeout=120)
     assert results == [[], []]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_max_entries_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_entries must be a positive int"):
+        shmap.jit(lambda x: x, max_entries=bad)

@@ -7,6 +7,7 @@ read them at each collective.
 """
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -95,31 +96,35 @@ def configure_distributed(*, check_collectives: bool | None = None, timeout: flo
     """
     prev = {k: _OPTIONS[k] for k in ("check_collectives", "timeout", "transport", "bucket_bytes",
                                      "first_bucket_bytes")}
+    updates = {}  # every argument is checked before any takes effect
     for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
         if value is None:
             continue
         if name == "first_bucket_bytes" and value == "auto":
-            _OPTIONS[name] = value
+            updates[name] = value
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"configure_distributed: {name} must be a positive int, got {value!r}. "
                              f"Fix: a number of bytes, e.g. {name}={1 << 20}.")
-        _OPTIONS[name] = value
+        updates[name] = value
     if transport is not None:
         if transport != "torch" and transport not in _TRANSPORTS:
             known = ", ".join(repr(t) for t in ["torch", *_TRANSPORTS])
             raise ValueError(f"configure_distributed: transport must be one of {known}, got {transport!r}.")
-        _OPTIONS["transport"] = transport
+        updates["transport"] = transport
     if check_collectives is not None:
         if check_collectives != "strict" and not isinstance(check_collectives, (bool, int)):
             raise ValueError("configure_distributed: check_collectives must be True, False or 'strict', "
                              f"got {check_collectives!r}.")
-        _OPTIONS["check_collectives"] = check_collectives if check_collectives == "strict" else bool(
+        updates["check_collectives"] = check_collectives if check_collectives == "strict" else bool(
             check_collectives)
     if timeout is not None:
-        if timeout <= 0:
-            raise ValueError(f"configure_distributed: timeout must be > 0 seconds, got {timeout}.")
-        _OPTIONS["timeout"] = float(timeout)
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+                or timeout <= 0):
+            raise ValueError(f"configure_distributed: timeout must be a finite number of seconds > 0, got "
+                             f"{timeout!r}. Fix: e.g. timeout=60.")
+        updates["timeout"] = float(timeout)
+    _OPTIONS.update(updates)
     return prev
 
 

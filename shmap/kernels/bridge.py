@@ -107,7 +107,7 @@ class _Plan:
             first = res.select(self.dim, 0)
             for d in range(1, self.n):
                 other = res.select(self.dim, d)
-                if not torch.allclose(first, other, atol=self.atol, rtol=self.rtol):
+                if not torch.allclose(first, other, atol=self.atol, rtol=self.rtol, equal_nan=True):
                     err = (first - other).abs().max().item()
                     raise VmaError(
                         f"{self.api}: out='invariant' but device {d} of axis {self.axis!r} disagrees with device 0 "

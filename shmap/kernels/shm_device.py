@@ -6,11 +6,13 @@ out naming the kernel line; a failed peer is reported, not waited on), scoped al
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .api import DeviceContext, RemoteCopy
 from .common import fit_value
-from .errors import KernelUsageError, capture_site
+from .errors import KernelTimeoutError, KernelUsageError, capture_site
 from .refs import (
     Buffer,
     BufferInfo,
@@ -42,6 +44,7 @@ class _Device(DeviceContext):
         self.sent: dict = {}      # (target, slot) -> amount signalled in this kernel
         self.consumed: dict = {}  # slot -> amount waited for in this kernel
         self.sem_names: dict = {}
+        self.polls: dict = {}     # slot -> (value last read, when first read so): a poll is bounded as a wait
         self.scoped: list = []
 
     # -- allocation
@@ -115,7 +118,19 @@ class _Device(DeviceContext):
         self._bump(device, self.slot(sem, "semaphore_signal"), inc)
 
     def read_semaphore(self, sem: SemaphoreRef) -> int:
-        return self.seg.value(self.device, self.slot(sem, "semaphore_read"))
+        slot = self.slot(sem, "semaphore_read")
+        value = self.seg.value(self.device, slot)
+        now = time.monotonic()
+        seen = self.polls.get(slot)
+        if seen is None or seen[0] != value:
+            self.polls[slot] = (value, now)
+        elif now - seen[1] > self.timeout:  # a loop polling a semaphore nobody signals: bounded as a wait is
+            raise KernelTimeoutError(
+                f"device {self.device}: semaphore_read of {sem.describe()} at {capture_site()} has returned "
+                f"{value} for longer than the timeout ({self.timeout} s). A loop that polls a semaphore no peer "
+                "signals never ends: wait for it instead (semaphore_wait), or run the kernel under "
+                "kernels.interpret for a diagnosis.")
+        return value
 
     def wait(self, sem: SemaphoreRef, value: int, what) -> None:
         slot = self.slot(sem, what)

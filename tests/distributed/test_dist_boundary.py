@@ -53,6 +53,8 @@ def test_device_put_on_a_simulated_mesh_returns_the_global_tensor():
         shmap.device_put(torch.ones(3), mesh, P("i"))
     with pytest.raises(shmap.SpecError, match="not in mesh"):
         shmap.device_put(x, mesh, P("k"))
+    with pytest.raises(shmap.SpecError, match=r"expected a PartitionSpec .*got NoneType"):
+        shmap.device_put(x, mesh, None)  # (it was returned as it is here, an AttributeError on processes)
 
 
 def test_visualize_sharding_draws_which_device_holds_which_block():

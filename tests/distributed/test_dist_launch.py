@@ -116,8 +116,12 @@ def test_configure_distributed_validates_and_returns_the_previous_settings():
     prev = shmap.configure_distributed(timeout=12.5)
     try:
         assert shmap.configure_distributed()["timeout"] == 12.5
-        with pytest.raises(ValueError, match="timeout"):
-            shmap.configure_distributed(timeout=0)
+        for bad in (0, float("nan"), "5", True):
+            with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+                shmap.configure_distributed(timeout=bad)
+        with pytest.raises(ValueError, match="transport"):  # checked before anything is set
+            shmap.configure_distributed(transport="bogus", bucket_bytes=7)
+        assert shmap.configure_distributed()["bucket_bytes"] != 7
         assert shmap.configure_distributed(check_collectives="strict")["check_collectives"] is True  # default
         assert shmap.configure_distributed(check_collectives=False)["check_collectives"] == "strict"
         with pytest.raises(ValueError, match="check_collectives"):

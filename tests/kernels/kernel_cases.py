@@ -209,3 +209,10 @@ def leaks_on_odd_devices(x, o, send, recv):
     if me % 2 == 0:
         copy.wait_send()
     copy.wait_recv()
+
+
+def polls_forever(x, o, send, recv):
+    """Copies its block, then polls a semaphore no device signals (a wait written as a loop)."""
+    o[...] = x[...]
+    while K.semaphore_read(recv) == 0:
+        pass

@@ -96,3 +96,13 @@ def test_kernel_calls_are_recorded():
         shmap.shard_map(lambda v: bridge.call(library.all_reduce, v, axis_name="i", out="invariant"),
                         mesh=shmap.make_mesh((N,), ("i",)), in_specs=P("i"), out_specs=P())(x)
     assert log.summary() == {"kernel": 1}
+
+
+def test_an_invariant_result_holding_nan_is_not_a_disagreement():
+    """`out='invariant'` checks the devices agree; NaN equals NaN there (psum gives NaN too)."""
+    x = torch.ones(2 * N * 3, 5)
+    x[0, 0] = float("nan")
+    out = shmap.shard_map(lambda v: bridge.call(library.all_reduce, v, axis_name="i", out="invariant"), mesh=MESH,
+                          in_specs=P(("j", "i")), out_specs=P("j"))(x)
+    want = shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=MESH, in_specs=P(("j", "i")), out_specs=P("j"))(x)
+    torch.testing.assert_close(out, want, equal_nan=True)

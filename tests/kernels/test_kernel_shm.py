@@ -56,6 +56,16 @@ def test_deadlock_times_out_with_the_waiting_line(shm_group):
     assert_group_usable(shm_group)
 
 
+def test_a_loop_polling_a_semaphore_is_bounded_by_the_timeout(shm_group):
+    """A poll (semaphore_read in a loop) is bounded as a blocking wait is: it ran forever."""
+    start = time.monotonic()
+    with pytest.raises(K.KernelTimeoutError, match=r"semaphore_read of 'recv' .* has returned 0 for longer than "
+                                                   r"the timeout \(1.0 s\).*semaphore_wait"):
+        run_case(shm_group, cases.polls_forever, timeout=1.0)
+    assert time.monotonic() - start < 15
+    assert_group_usable(shm_group)
+
+
 def test_leftover_semaphore(shm_group):
     with pytest.raises(K.SemaphoreLeakError, match=r"semaphore 'send' \(DMA\) = 16"):
         run_case(shm_group, cases.missing_wait_send)
