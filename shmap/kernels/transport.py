@@ -360,10 +360,16 @@ __all__ = ["ShmTransport", "all_reduce", "one_shot_all_reduce", "all_gather", "r
 
 
 def _register():
-    """Plug this transport into the distributed mesh: `configure_distributed(transport='shm')`."""
-    from ..backends.config import register_transport
+    """Plug this transport into the distributed mesh: `configure_distributed(transport='shm')`.  Its waits
+    take the mesh's collective timeout (`configure_distributed(timeout=...)`, `SHMAP_COLLECTIVE_TIMEOUT`)
+    when one is set, as gloo's watched waits do, else the transport's own 60 s."""
+    from ..backends.config import _OPTIONS, register_transport
 
-    register_transport("shm", ShmTransport.from_process_group)
+    def for_mesh(group):
+        timeout = _OPTIONS["timeout"]
+        return ShmTransport.from_process_group(group, **({"timeout": timeout} if timeout else {}))
+
+    register_transport("shm", for_mesh)
 
 
 _register()

@@ -279,3 +279,18 @@ def ppermute_bigger_sender():
     shmap.shard_map(lambda b: shmap.ppermute(b, "i", [(1, 0)]), mesh=_mesh(), in_specs=P("i"),
                     out_specs=P("i"))(torch.ones(2, n))
     return "finished"
+
+
+def shm_unchecked_peer_raises():
+    """The shared-memory transport with checks off: rank 1 raises between two psums; rank 0's wait in the
+    kernel ends after the configured timeout (3 s), not the transport's own 60 s."""
+    import importlib
+
+    importlib.import_module("shmap.kernels.transport")
+    shmap.configure_distributed(transport="shm", check_collectives=False, timeout=3)
+    f = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=_mesh(), in_specs=P("i"), out_specs=P())
+    f(torch.ones(8))
+    if _rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    f(torch.ones(8))
+    return "finished"

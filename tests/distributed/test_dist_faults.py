@@ -163,3 +163,9 @@ def test_a_rank_gloo_aborts_is_reported_with_the_likely_cause():
     err = run_failing(dist_faults.ppermute_bigger_sender, nprocs=2)
     name, msg, _ = err.errors[0]
     assert name == "ProcessDied" and "SIGABRT" in msg and "different shapes" in msg, err
+
+
+def test_the_shm_transport_waits_take_the_configured_timeout():
+    err = run_failing(dist_faults.shm_unchecked_peer_raises, nprocs=2)
+    name, msg, _ = err.errors[0]
+    assert name == "KernelTimeoutError" and "within 3.0 s" in msg, err
