@@ -115,18 +115,16 @@ def jit(f=None, /, *, backend: str = "inductor", max_entries: int = 64):
     `backend`: "inductor" (default: compile the captured program; the fastest
     per call) or "eager" (replay the FX graph; no compilation, bit-identical
     to eager).  Differentiable calls replay AOT autograd's graphs either way.
-    Usable as `jit(f)`, `@jit` or `@jit(backend=...)`.  See the module docstring
-    for the key and the rules.
+    Usable as `jit(f)`, `@jit` or `@jit(backend=...)`; the module docstring has the key and the rules.
     """
     if f is None:
         return functools.partial(jit, backend=backend, max_entries=max_entries)
     if backend not in ("inductor", "eager"):
         raise ValueError(f"shmap.jit: backend must be 'inductor' or 'eager', got {backend!r}.")
+    if type(max_entries) is not int or max_entries < 1:  # (bool is not int here)
+        raise ValueError(f"shmap.jit: max_entries must be a positive int (traces kept), got {max_entries!r}.")
     if not callable(f):
         raise TypeError(f"shmap.jit: f must be callable, got {type(f).__name__}.")
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-        raise ValueError(f"shmap.jit: max_entries must be a positive int (traces kept per function), got "
-                         f"{max_entries!r}. Fix: e.g. max_entries=64.")
     return Jitted(f, backend, max_entries)
 
 
