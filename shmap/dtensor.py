@@ -345,8 +345,8 @@ def device_put(x, mesh: Mesh, spec: PartitionSpec):
     """Lay the global value `x` out on `mesh` as `spec`.
 
     - Distributed mesh: returns a `DTensor` placed by `spec`.  A plain tensor is
-      a global value every rank holds: each rank keeps its block (no
-      communication; the gradient of `x` is whole on every rank); with
+      a global value every rank holds: each rank keeps a compact copy of its
+      block (no communication; the gradient of `x` is whole on every rank); with
       `unreduced` axes it becomes a pending sum held by their first device.
       A DTensor is redistributed (this is the explicit reshard a mismatched
       shard_map argument needs).
@@ -383,6 +383,11 @@ def device_put(x, mesh: Mesh, spec: PartitionSpec):
     backend = for_mesh(mesh)
     body = context.Body(mesh=mesh, axes=mesh.axis_names, check_vma=True, backend=backend)
     block, _ = backend.split(x, spec, body)
+    if block.untyped_storage().nbytes() > block.numel() * block.element_size():
+        # A block cut from the global tensor gets its own compact storage: a view would keep the whole
+        # tensor alive on every rank (FSDP's 1/N would be N/N until the first update) with strides
+        # the next state does not have (a torch.compile'd step would recompile on them).
+        block = block.clone(memory_format=torch.contiguous_format)
     return from_block(block, mesh, spec)
 
 

@@ -157,7 +157,8 @@ def validate(cfg: Config) -> Config:
         need(n % fsdp == 0,
              f"{what} {n} is not divisible by fsdp = {fsdp} (--mesh {cfg.describe_mesh()}): FSDP shards the "
              f"weights along that dimension. Fix: a multiple of {fsdp}, or a smaller fsdp axis.")
-    need(cfg.top_k >= 0 and cfg.temperature >= 0, "--top-k and --temperature must be >= 0.")
+    need(cfg.top_k >= 0 and math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+         f"--top-k {cfg.top_k} and --temperature {cfg.temperature}: must be >= 0 (the temperature finite).")
     return cfg
 
 

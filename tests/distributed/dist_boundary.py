@@ -193,6 +193,13 @@ def _outputs_updated_in_place(mesh):
     if not torch.allclose(g, (torch.cos(x * 0.5) * x * torch.arange(8)).sum()):
         bad.append(f"a plain cotangent of a sharded output: gradient {g} is not the global one's")
 
+    x8 = torch.arange(64.0).reshape(8, 8)
+    for sp in (P("i"), P(None, ("i", "j")), P("i", "j")):  # a block of its own: no view of the whole tensor
+        loc = shmap.device_put(x8, mesh, sp).to_local()
+        if not loc.is_contiguous() or loc.untyped_storage().nbytes() != loc.numel() * loc.element_size():
+            bad.append(f"device_put {sp}: the block is a view of the whole tensor (strides {loc.stride()}, "
+                       f"storage {loc.untyped_storage().nbytes()} bytes)")
+
     dw = shmap.device_put(torch.ones(8, dtype=torch.float64), mesh, P())
     try:  # a DTensor closed over (not an argument): shmap's message, not DTensor's "mixed" error
         shmap.shard_map(lambda v: v * dw, mesh=mesh, in_specs=spec, out_specs=spec)(x)
