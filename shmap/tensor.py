@@ -218,8 +218,8 @@ def _dispatch(func, args, kwargs):
                 pending = True
         elif isinstance(leaf, torch.Tensor):
             tensor_idx.append(k)
-            if type(leaf) is not torch.Tensor and hasattr(leaf, "_spec") and hasattr(leaf, "full_tensor"):
-                _closed_over_dtensor(func, leaf)
+            if type(leaf) is not torch.Tensor:
+                _check_not_dtensor(func, leaf)
             if torch._C._len_torch_dispatch_stack() and type(leaf) is torch.Tensor:
                 _check_traced_closure(func, leaf)
 
@@ -342,9 +342,13 @@ def _check_traced_closure(func, t):
         )
 
 
-def _closed_over_dtensor(func, t):
-    """A DTensor closed over by a body (not an argument): it holds only this rank's block, and the body
-    computes per device, so DTensor would mix the two (its own error names neither)."""
+def _check_not_dtensor(func, t):
+    """A DTensor closed over by a body (not an argument) holds only this rank's block, and the body
+    computes per device, so DTensor would mix the two (its own error names neither): refused."""
+    from .dtensor import is_dtensor  # (dtensor imports the backends, which import this module)
+
+    if not is_dtensor(t):
+        return
     raise VmaError(
         f"{op_name(func)}: a shard_map body uses a DTensor (shape {tuple(t.shape)}, placements "
         f"{tuple(t.placements)}) it closes over. On the distributed mesh a global value enters a body through "

@@ -207,25 +207,13 @@ def test_checkpoint_matches_plain_torch_with_invariant_parameter(reentrant):
     assert log.summary() == {"psum": 2}  # the forward psum, then w's gradient once
 
 
-class Triple(torch.autograd.Function):
-    """3 x; backward computes on the cotangent (Python running on body values during the pass)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return 3 * x
-
-    @staticmethod
-    def backward(ctx, g):
-        return 3 * g
-
-
 def _through(kind, v, x):
     """tanh(x @ v) summed, through a hook, an autograd.Function or a non-reentrant checkpoint."""
     if kind == "hook":
         v.register_hook(lambda g: g * 3)
         return torch.tanh(x @ v).sum()
     if kind == "function":
-        return Triple.apply(torch.tanh(x @ v)).sum()
+        return Foo.apply(torch.tanh(x @ v)).sum()  # (its backward computes on the cotangent)
     return cp.checkpoint(lambda a, b: torch.tanh(a @ b).sum(), x, v, use_reentrant=False)
 
 

@@ -59,7 +59,8 @@ def latest(directory) -> Path | None:
 def previous(path) -> Path | None:
     """The complete checkpoint before `path` in its directory, or None."""
     done = _complete(Path(path).parent)
-    return done[done.index(Path(path)) - 1] if Path(path) in done and done.index(Path(path)) > 0 else None
+    i = done.index(Path(path)) if Path(path) in done else 0
+    return done[i - 1] if i > 0 else None
 
 
 def _unreadable(path, e) -> ConfigError:

@@ -80,16 +80,21 @@ def test_metrics_are_read_one_step_late():
     assert [r["step"] for r in w.history] == [0, 1]
 
 
-def test_a_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+def _poison(monkeypatch, key, at):
+    """Make step `at` report a NaN `key` metric (a loss or gradient norm gone non-finite)."""
     step = loop.Run.step
 
     def poisoned(self, params, opt, k):
         params, opt, m = step(self, params, opt, k)
-        if k == 4:
-            m["train_loss"] = m["train_loss"] * float("nan")
+        if k == at:
+            m[key] = m[key] * float("nan")
         return params, opt, m
 
     monkeypatch.setattr(loop.Run, "step", poisoned)
+
+
+def test_a_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    _poison(monkeypatch, "train_loss", 4)
     ck = tmp_path / "ck"
     with pytest.raises(loop.NonFiniteLossError, match=r"step 4: the training loss is nan.*last good checkpoint is .*step_00000004"):
         loop.train(tiny("data=2", steps=8, checkpoint_dir=str(ck), checkpoint_every=2, out=str(tmp_path / "o")),
@@ -159,15 +164,7 @@ def test_sigterm_is_met_as_ctrl_c(tmp_path, monkeypatch):
 
 
 def test_a_non_finite_gradient_norm_is_never_saved(tmp_path, monkeypatch):
-    step = loop.Run.step
-
-    def poisoned(self, params, opt, k):
-        params, opt, m = step(self, params, opt, k)
-        if k == 2:
-            m["grad_norm"] = m["grad_norm"] * float("nan")
-        return params, opt, m
-
-    monkeypatch.setattr(loop.Run, "step", poisoned)
+    _poison(monkeypatch, "grad_norm", 2)
     ck = tmp_path / "ck"
     with pytest.raises(loop.NonFiniteLossError, match=r"step 2: the gradient norm is nan.*step_00000002"):
         loop.train(tiny("data=2", steps=8, checkpoint_dir=str(ck), checkpoint_every=2), **QUIET)
