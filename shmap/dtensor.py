@@ -412,7 +412,7 @@ def visualize_sharding(x, mesh: Mesh | None = None, spec: PartitionSpec | None =
             "visualize_sharding: give the mesh and the spec, e.g. visualize_sharding(x, mesh, P('i')) "
             "(they default to a DTensor's own)."
         )
-    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(int(s) for s in x)
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else _shape_arg(x)
     from .shard_map import _check_spec
 
     _check_spec(spec, "spec", shape, mesh, mesh.axis_names, "visualize_sharding", what="the value")
@@ -448,6 +448,17 @@ def visualize_sharding(x, mesh: Mesh | None = None, spec: PartitionSpec | None =
             lines.append(f"  [{', '.join(f'{a}:{b}' for a, b in box)}] on {who} {_devs(devs)}")
         return "\n".join(lines + [legend])
     return "\n".join([head, _grid(shape, blocks), legend])
+
+
+def _shape_arg(x) -> tuple:
+    """`visualize_sharding`'s `x` given as a shape: a sequence of non-negative ints, or a clear error."""
+    ok = isinstance(x, (tuple, list, torch.Size)) and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in x)
+    if not ok:
+        raise TypeError(
+            f"visualize_sharding: x must be a tensor, a DTensor or a shape (a tuple of non-negative ints); got "
+            f"{type(x).__name__} {x!r}. Fix: pass the tensor itself, or its shape, e.g. (8, 4).")
+    return tuple(x)
 
 
 def _devs(devs) -> str:

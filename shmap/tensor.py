@@ -136,11 +136,15 @@ def unreduced_axes(x) -> frozenset:
 # --------------------------------------------------------------------------
 # Automatic pvary
 # --------------------------------------------------------------------------
-def lift(x, target: frozenset, body):
+def lift(x, target: frozenset, body, dtype=None):
     """Physical tensor of `x` typed as varying along `target` (a no-op copy-wise).
 
     Memoised per value (and grad mode) so that one value used in several ops
-    gets one node, hence one `psum` in the backward pass.
+    gets one node, hence one `psum` in the backward pass.  With `dtype` (an
+    elementwise op that promotes `x`, e.g. a bfloat16 weight times float32
+    data) the promoted copy is lifted, as JAX inserts its `pvary` after the
+    op's conversion: the cotangent is then summed over devices in the
+    promoted dtype and rounded once, on both meshes.
     """
     grad = torch.is_grad_enabled()
     if isinstance(x, ShTensor):
@@ -149,17 +153,43 @@ def lift(x, target: frozenset, body):
             return x._phys
         if x._lifts is None:
             x._lifts = {}
-        got = x._lifts.get((target, grad))
+        key = (target, grad) if dtype is None else (target, grad, dtype)
+        got = x._lifts.get(key)
         if got is None:
-            got = _lift_phys(x._phys, x.shape, added, body)
-            x._lifts[(target, grad)] = got
+            phys = x._phys if dtype is None else x._phys.to(dtype)
+            got = _lift_phys(phys, x.shape, added, body)
+            x._lifts[key] = got
         return got
-    key = (id(x), target, grad)
+    key = (id(x), target, grad) if dtype is None else (id(x), target, grad, dtype)
     got = body.lift_cache.get(key)
     if got is None or got[0] is not x:
-        got = (x, _lift_phys(x, x.shape, target, body))
+        got = (x, _lift_phys(x if dtype is None else x.to(dtype), x.shape, target, body))
         body.lift_cache[key] = got
     return got[1]
+
+
+def _promoted(func, args, kwargs, leaves, tensor_idx):
+    """The dtype an elementwise op promotes its floating operands to, where they differ; else None.
+    (`leaves` may hold physical tensors already, of the same dtypes; the rule reads the logical
+    operands, since a 0-d one promotes differently, so it flattens `args` again: rare.)"""
+    if len({leaves[k].dtype for k in tensor_idx}) < 2 or getattr(func, "__name__", "") not in batching.POINTWISE:
+        return None
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    operands = batching.flatten(args, kwargs)[0]
+    try:
+        _, out = elementwise_dtypes(*[operands[k] for k in tensor_idx],
+                                    type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    except Exception:  # noqa: BLE001 - dtypes torch's rules do not combine: the op itself will say so
+        return None
+    return out if out.is_floating_point or out.is_complex else None
+
+
+def _lift_dtype(leaf, promoted):
+    """`promoted` where it widens `leaf`'s floating dtype (the lift of a narrower operand), else None."""
+    if promoted is None or leaf.dtype == promoted or not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
+        return None
+    return promoted if torch.promote_types(leaf.dtype, promoted) == promoted else None
 
 
 def _lift_phys(phys, logical_shape, added, body):
@@ -250,16 +280,23 @@ def _dispatch(func, args, kwargs):
                          for v in args[1:])
         out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number)
     batched = []
+    promoted = False  # (found on the first lift: `_promoted`)
     for k in tensor_idx:
         leaf = leaves[k]
         if isinstance(leaf, ShTensor):
             v = leaf._vma
-            leaves[k] = leaf._phys if v is union or v == union or (inplace and leaf is self_val) else lift(
-                leaf, union, body)
+            if v is union or v == union or (inplace and leaf is self_val):
+                leaves[k] = leaf._phys
+            else:
+                if promoted is False:
+                    promoted = _promoted(func, args, kwargs, leaves, tensor_idx)
+                leaves[k] = lift(leaf, union, body, _lift_dtype(leaf, promoted))
             if leaf._paxes:
                 batched.append((k, leaf._paxes))
         elif union and not (inplace and leaf is self_val):
-            leaves[k] = lift(leaf, union, body)
+            if promoted is False:
+                promoted = _promoted(func, args, kwargs, leaves, tensor_idx)
+            leaves[k] = lift(leaf, union, body, _lift_dtype(leaf, promoted))
 
     out, out_paxes = body.backend.run_op(func, leaves, treedef, batched, union, inplace, body)
 

@@ -28,6 +28,7 @@ def test_every_collective_and_dtype_matches_the_simulated_mesh(transport):
 
 
 def test_small_floating_sums_equal_the_simulated_meshs_bits_on_4_ranks():
+    """Also the gradient of a replicated weight used with data of a wider dtype (`_mixed_dtype_gradients`)."""
     results = shmap.spawn(dist_dtypes.rounding_sums, nprocs=4, timeout=60)
     assert results[0] == [], "\n".join(results[0])
 
