@@ -11,7 +11,8 @@ On top of running the kernel, the interpreter reports what hardware hides:
 
 - data races, with vector clocks (races.py), naming both accesses;
 - deadlock: no device can run and no copy is in flight -- every blocked device
-  is listed with the wait it is stuck in;
+  is listed with the wait it is stuck in -- or a loop polls a semaphore
+  (`semaphore_read`) that nothing left can change;
 - semaphores left non-zero at exit, with who signalled them;
 - an exception on one device stops all devices and is re-raised naming it.
 
@@ -97,6 +98,7 @@ class _Run:
         self.copies: list[_Copy] = []
         self.next_actor = self.n
         self.steps = 0
+        self.polls = 0  # consecutive semaphore_reads with nothing else happening (`_Device.read_semaphore`)
         self.barrier_info = SemaphoreInfo(("barrier",), "barrier", SemaphoreKind.BARRIER, ())
         self.devices = [_Device(self, d) for d in range(self.n)]
 
@@ -197,6 +199,7 @@ class _Run:
                     choice.baton.release()
                     self.sched.acquire()
                 else:
+                    self.polls = 0
                     self._copy_event(choice)
                     if choice.stage == 2:
                         self.copies.remove(choice)
@@ -235,18 +238,35 @@ class _Run:
         err.__cause__ = e
         return err
 
-    def _deadlock(self) -> DeadlockError:
+    def _states(self) -> list:
         lines = []
         for d in self.devices:
             if d.status == "done":
                 lines.append(f"  device {d.device}: finished the kernel")
+            elif d.polling is not None:
+                sem, site = d.polling
+                lines.append(f"  device {d.device}: polls semaphore_read of {sem.describe()} in a loop at {site}, "
+                             f"which returns {d.sem(sem.info, sem.element('semaphore_read')[1]).value}")
+            elif d.waiting is None:
+                lines.append(f"  device {d.device}: running")
             else:
-                s, value, what, site = d.waiting
-                lines.append(f"  device {d.device}: blocked in {what()} at {site}: needs {value}, "
+                s, value, what, where = d.waiting
+                lines.append(f"  device {d.device}: blocked in {what()} at {where}: needs {value}, "
                              f"semaphore {s.name} is {s.value}")
+        return lines
+
+    def livelock(self) -> DeadlockError:
+        """A loop of semaphore_reads that nothing can end (`_Device.read_semaphore`)."""
+        return DeadlockError(
+            f"deadlock: {self.polls - 1} semaphore_reads in a row with no other kernel call and no copy moving: "
+            "a loop polls a semaphore that nothing left can change:\n" + "\n".join(self._states()) + "\n"
+            "Fix: wait for the semaphore (semaphore_wait) rather than polling it, and check that some device "
+            "signals it.\n" + self.note())
+
+    def _deadlock(self) -> DeadlockError:
         return DeadlockError(
             "deadlock: every live device is blocked and no copy is in flight, so nothing can "
-            "ever wake them:\n" + "\n".join(lines) + "\n"
+            "ever wake them:\n" + "\n".join(self._states()) + "\n"
             "Typical causes: a wait_recv with no matching start() on the sender, waiting for "
             "more bytes than were sent, or a semaphore_wait that nobody signals.\n" + self.note())
 

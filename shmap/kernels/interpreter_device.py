@@ -31,6 +31,11 @@ from .refs import (
 )
 
 
+#: consecutive semaphore_reads, over all devices, with no other event between them: a poll that cannot end
+#: (a device alone keeps the baton for about 20 steps at most in the stickiest schedule: 0.95 ** 20000 is 0)
+POLL_LIMIT = 20000
+
+
 class _Cancelled(BaseException):
     """Raised inside a device thread to unwind it when the run is aborted."""
 
@@ -99,11 +104,15 @@ class _Device(DeviceContext):
         self.baton = threading.Semaphore(0)
         self.status = "running"
         self.waiting = None
+        self.polling = None  # (semaphore, site) of a semaphore_read with no other call since
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     # -- scheduling
-    def _yield(self, waiting=None) -> None:
+    def _yield(self, waiting=None, poll=False) -> None:
+        if not poll:  # progress: any call but a semaphore_read (see `read_semaphore`)
+            self.run.polls = 0
+            self.polling = None
         self.waiting = waiting
         self.run.sched.release()
         self.baton.acquire()
@@ -194,7 +203,15 @@ class _Device(DeviceContext):
         self._tick()
 
     def read_semaphore(self, sem: SemaphoreRef) -> int:
-        self._yield()
+        """A scheduling point that changes nothing: a loop of them with no other event in between (no
+        device calls anything else, no copy moves) can never see a new value, so it is reported as the
+        deadlock it is, once it has gone on for far longer than any schedule runs a device alone."""
+        run = self.run
+        run.polls += 1
+        self.polling = (sem, capture_site())
+        if run.polls > POLL_LIMIT:
+            raise run.livelock()
+        self._yield(poll=True)
         key, flat = sem.element("semaphore_read")
         return self.sem(sem.info, flat).value
 

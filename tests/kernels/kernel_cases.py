@@ -211,6 +211,20 @@ def leaks_on_odd_devices(x, o, send, recv):
     copy.wait_recv()
 
 
+def poll_until_signalled(x, o, flag):
+    """Device 1 writes its output many times over (each write a scheduling point), then signals device 0,
+    which polls its REGULAR semaphore `flag` until it does: a poll that ends."""
+    if K.device_id() == 1:
+        for _ in range(50):
+            o[...] = x[...]
+        K.semaphore_signal(flag, 1, device_id=0)
+    else:
+        while K.semaphore_read(flag) == 0:
+            pass
+        K.semaphore_wait(flag, 1)
+    o[...] = torch.ones(o.shape)
+
+
 def polls_forever(x, o, send, recv):
     """Copies its block, then polls a semaphore no device signals (a wait written as a loop)."""
     o[...] = x[...]
