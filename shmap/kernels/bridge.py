@@ -45,6 +45,12 @@ def call(fn, *xs, axis_name: str, out: str = "varying", transpose=None, name: st
             f"{api}: kernels called from a body run on the simulated mesh (the verifying interpreter). "
             "On real processes run them with kernels.ShmGroup / run_shm, or use shmap's collectives."
         )
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        raise NotImplementedError(
+            f"{api}: a kernel runs in the verifying interpreter on real values (a thread per device), which "
+            "a capture on fake tensors (shmap.jit) cannot run. Fix: call the shard_mapped function without "
+            "shmap.jit (torch.compile runs it outside its graph), or use shmap's collectives there."
+        )
     vals = [x if isinstance(x, ShTensor) else ShTensor(torch.as_tensor(x), (), frozenset(), body) for x in xs]
     for v in vals:
         if v._unreduced:

@@ -106,3 +106,15 @@ def test_an_invariant_result_holding_nan_is_not_a_disagreement():
                           in_specs=P(("j", "i")), out_specs=P("j"))(x)
     want = shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=MESH, in_specs=P(("j", "i")), out_specs=P("j"))(x)
     torch.testing.assert_close(out, want, equal_nan=True)
+
+
+def test_jit_of_a_kernel_call_names_the_kernel_not_control_flow():
+    """shmap.jit traces on fake tensors, where the interpreter cannot run: it blamed value-dependent control flow."""
+    f = shmap.shard_map(lambda v: bridge.call(library.all_reduce, v, axis_name="i", out="invariant"), mesh=MESH,
+                        in_specs=P(("j", "i")), out_specs=P("j"))
+    x = torch.randn(2 * N * 3, 5)
+    with pytest.raises(NotImplementedError, match=r"kernels.call\(all_reduce\): a kernel runs in the verifying "
+                                                  r"interpreter .* shmap.jit"):
+        shmap.jit(f)(x)
+    torch.testing.assert_close(f(x), shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=MESH, in_specs=P(("j", "i")),
+                                                     out_specs=P("j"))(x))
