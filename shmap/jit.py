@@ -17,7 +17,7 @@ tens to hundreds of microseconds, more than a tiny program's whole compute.
   directly; the `shmap::record` nodes are taken out of the graph and their
   events reported in order after the call (only when a `comm_log` is
   active), because Inductor's handling of effectful ops costs more than the
-  program.  Tiny matrix products (float32/64, at most `SMALL_MATMUL`
+  program.  Tiny matrix products (float32/64, at most `small_matmul.LIMIT`
   multiply-adds) become a product and a sum first, which Inductor fuses with
   the ops around them (a psum's sum over device dims) into one C++ loop: a
   BLAS call costs more than such a product.  Values then differ from eager in
@@ -71,9 +71,9 @@ dtype, device, requires_grad, sizes, strides), without building the key.
 - Random ops draw from torch's global generator on every call; Inductor's
   stream differs from eager's (`backend="eager"` keeps it).
 - An input mutated in place by `f` (outside a body: bodies refuse it) is
-  written back by the compiled program, as eagerly.  (Distinct arguments that
-  are views of one storage, one of them mutated, are not detected: pass
-  distinct tensors to a mutating function.)
+  written back by the compiled program, as eagerly.  Which arguments share a
+  storage (views of one tensor) is part of the key, and a function that
+  mutates an input skips the fast path, whose check does not see sharing.
 
 Why not `torch.compile`: its per-call entry cost is Dynamo's, whatever the
 backend, more than a tiny program's compute (`compile.py`, and the bench's
@@ -89,7 +89,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
 
-from . import comm, context, ops
+from . import comm, context, ops, small_matmul
 
 __all__ = ["jit", "Jitted", "JitError"]
 
@@ -179,9 +179,9 @@ class Jitted:
         if _inline(args, kwargs):
             return self.eager(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        seen = {}
+        seen, storages = {}, {}
         key = (_grad_enabled(), _default_dtype(), spec,
-               *[_leaf_key(x, seen.setdefault(id(x), k)) for k, x in enumerate(leaves)])
+               *[_leaf_key(x, seen.setdefault(id(x), k), storages, k) for k, x in enumerate(leaves)])
         entry = self._cache.get(key)
         if entry is None:
             with self._lock:
@@ -198,7 +198,7 @@ class Jitted:
         return entry([x for x in leaves if isinstance(x, _Tensor)])
 
     def _add_fast(self, args, kwargs, leaves, key, entry):
-        if kwargs or len(self._fast) >= 8:
+        if kwargs or len(self._fast) >= 8 or entry.mutates:  # (views of one storage: the keyed path sees them)
             return
         struct, shallow = _shallow(args)
         if all(x is None for x in struct):
@@ -219,6 +219,7 @@ class Jitted:
         f = self.eager
 
         def flat_fn(*tensors):
+            versions = [t._version for t in tensors]
             vals = list(statics)
             for k, t in zip(tensor_pos, tensors):
                 vals[k] = t
@@ -240,6 +241,7 @@ class Jitted:
                 else:
                     out_info["consts"][k] = o
             out_info["n"] = len(outs)
+            out_info["mutates"] = out_info.get("mutates") or versions != [t._version for t in tensors]
             return tens
 
         tensors = [leaves[k] for k in tensor_pos]
@@ -267,6 +269,7 @@ class Jitted:
             run = lambda ts: flat_fn(*ts)  # noqa: E731
         self.traces += 1
         entry = _finish(run, out_info)
+        entry.mutates = out_info.get("mutates", True)  # (not traced: unknown)
         if first is not None:
             first = _finish(lambda ts: first, out_info)(tensors)
         return entry, first
@@ -299,9 +302,14 @@ def _inline(args, kwargs) -> bool:
                 or torch.compiler.is_compiling())
 
 
-def _leaf_key(x, first):
-    if isinstance(x, _Tensor):  # `first`: the first position of this object (the same tensor twice)
-        return (first, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_conj(), x.is_neg())
+def _leaf_key(x, first, storages, k):
+    if isinstance(x, _Tensor):  # `first`: the first position of this object (the same tensor twice), and of its
+        # storage (views of one tensor: a program that writes one of them reads the other as written)
+        ptr = x.untyped_storage().data_ptr() if x.layout is torch.strided else None
+        shared = storages.setdefault(ptr, k) if ptr else k
+        return (first, shared, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_conj(), x.is_neg())
+    if type(x) is float or type(x) is complex:  # by its bits: 0.0 == -0.0 but 1 / x differs; nan != nan
+        return (type(x), x.hex() if type(x) is float else (x.real.hex(), x.imag.hex()))
     try:
         hash(x)
     except TypeError:
@@ -382,14 +390,15 @@ def _capture_inference(flat_fn, tensors, backend, name):
 
     gm = make_fx(flat_fn, tracing_mode="fake")(*tensors)
     _check_graph(gm, name)
-    if backend == "eager":
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    if backend == "eager" or len(set(ptrs)) < len(ptrs):  # (Inductor's inner compile takes distinct inputs)
         return _boxed(gm.forward)
     fx_forward = gm.forward
     # Inductor needs a functional graph.  Functionalize the captured aten graph (not `f`: its
     # autograd Functions, under torch.func transforms, have no functionalize rule).
     from torch._inductor.decomposition import select_decomp_table
 
-    table = {**select_decomp_table(), **_SMALL_MATMULS}
+    table = {**select_decomp_table(), **small_matmul.DECOMPOSITIONS}
     gm = make_fx(torch.func.functionalize(gm, remove="mutations"), decomposition_table=table,
                  tracing_mode="fake")(*tensors)
     events = []
@@ -410,27 +419,6 @@ def _capture_inference(flat_fn, tensors, backend, name):
 
     call.shmap_events = events  # reported by the entry (`_finish`) after each call
     return call  # takes the list of inputs (and clears it)
-
-
-#: Matrix products of at most this many multiply-adds become a product and a sum, which Inductor
-#: fuses with the ops around them (a psum's sum over device dims) into one C++ loop: a BLAS call costs
-#: more than such a product.  float32 / float64 only (half types would round each product).
-SMALL_MATMUL = 16384
-
-
-def _small_mm(x, y):
-    if x.dtype not in (torch.float32, torch.float64) or x.shape[0] * x.shape[1] * y.shape[1] > SMALL_MATMUL:
-        return NotImplemented
-    return (x.unsqueeze(-1) * y.unsqueeze(0)).sum(-2)
-
-
-def _small_bmm(x, y):
-    if x.dtype not in (torch.float32, torch.float64) or x.shape[0] * x.shape[1] * x.shape[2] * y.shape[2] > SMALL_MATMUL:
-        return NotImplemented
-    return (x.unsqueeze(-1) * y.unsqueeze(1)).sum(-2)
-
-
-_SMALL_MATMULS = {torch.ops.aten.mm.default: _small_mm, torch.ops.aten.bmm.default: _small_bmm}
 
 
 def _inductor(gm, tensors):
@@ -457,7 +445,7 @@ def _capture_grad(flat_fn, name, backend):
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
 
-        fw, table = compile_fx_inner, {**select_decomp_table(), **_SMALL_MATMULS}
+        fw, table = compile_fx_inner, {**select_decomp_table(), **small_matmul.DECOMPOSITIONS}
 
         def bw(gm, example_inputs):
             return compile_fx_inner(gm, example_inputs, is_backward=True)

@@ -325,6 +325,35 @@ def test_inplace_update_of_an_input_outside_the_body():
         torch.testing.assert_close(ps_j, ps_e)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_views_of_one_tensor_mutated_replay_as_eager(backend):
+    """Which arguments share a storage is part of the key, and Inductor's inner compile (which takes
+    distinct inputs) is not used for such a call: `b` read after `a.add_(1)` wrote it gave zeros."""
+    def f(a, b):
+        a.add_(1)
+        return b * 2
+
+    j = shmap.jit(f, backend=backend)
+    for aliased in (False, True, False, True):
+        y, y2 = torch.zeros(3, 4), torch.zeros(3, 4)
+        got = j(y, y[0] if aliased else torch.zeros(4))
+        want = f(y2, y2[0] if aliased else torch.zeros(4))
+        assert torch.equal(got, want) and torch.equal(y, y2), (aliased, got, want)
+    assert j.traces == 2
+
+
+def test_static_floats_are_keyed_by_their_bits():
+    """0.0 == -0.0, but 1 / 0.0 and 1 / -0.0 differ: one trace served both."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    f = shmap.shard_map(lambda a, s: shmap.psum(a / s, "i"), mesh=mesh, in_specs=(P("i"), None), out_specs=P())
+    j = ejit(f)
+    x = torch.ones(8)
+    for s in (0.0, -0.0, 0.0, float("nan"), float("nan"), -0.0):
+        assert torch.allclose(j(x, s), f(x, s), equal_nan=True)
+    assert torch.equal(j(x, -0.0), torch.full((2,), -float("inf")))
+    assert j.traces == 3  # 0.0, -0.0, nan (a nan key equals itself)
+
+
 def test_inlined_under_transforms_traces_and_bodies():
     f, _ = _matmuls()
     j = ejit(f)
