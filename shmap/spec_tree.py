@@ -7,6 +7,8 @@ namedtuples).
 """
 from __future__ import annotations
 
+import collections
+
 import optree
 
 from .errors import SpecError
@@ -49,6 +51,16 @@ def match(specs, values, path, out, params, *, top, fname, arg=None):
             f"shard_map({fname}) {path}: expected a PartitionSpec (shmap.P(...)), None (static argument), "
             f"or a container of them; got {type(specs).__name__} {specs!r}. "
             f"Fix: write P({specs!r})" + (" if you meant that axis." if isinstance(specs, str) else ".")
+        )
+    if top and sc[0] == "dict":
+        keys, order = sc[1], [p for p in params or () if p in sc[1]]
+        named = len(order) == len(keys)  # keyed by the parameters' names: their order
+        entries = [repr(specs[k]) for k in (order if named else keys)]
+        raise SpecError(
+            f"shard_map({fname}) {path}: the top level is a dict of specs, but {path} has one entry per "
+            f"positional argument, in order: a tuple (a dict of specs is for an argument that is a dict). "
+            f"Fix: {path}=({', '.join(entries)}{',' if len(entries) == 1 else ''})"
+            + (f" for ({', '.join(order)})." if named else ", in the arguments' order.")
         )
     vc = _children(values) if not top else ("tuple", list(range(len(values))), list(values))
     what = "the positional arguments" if top else f"the value at {path}"
@@ -123,11 +135,13 @@ def _rebuild_leafspec(value, it):
 
 
 def _rebuild_container(orig, keys, new):
-    return _make(type(orig), keys, new)
+    return _make(type(orig), keys, new, getattr(orig, "default_factory", None))
 
 
-def _make(typ, keys, new):
+def _make(typ, keys, new, factory=None):
     if issubclass(typ, dict):
+        if issubclass(typ, collections.defaultdict):
+            return typ(factory, zip(keys, new))
         return typ(zip(keys, new)) if typ is dict else typ(dict(zip(keys, new)))
     if issubclass(typ, tuple) and hasattr(typ, "_fields"):
         return typ(*new)
@@ -153,7 +167,9 @@ def skeleton(tree, types):
         return None
     _, keys, children = c
     typ = type(tree)
-    code = next((k for k, t in types.items() if t is typ), None)
+    if isinstance(tree, collections.defaultdict):  # (its factory is part of the container)
+        typ = (typ, tree.default_factory)
+    code = next((k for k, t in types.items() if t is typ or (type(typ) is tuple and t == typ)), None)
     if code is None:
         code = len(types)
         types[code] = typ
@@ -181,7 +197,9 @@ def _from_skeleton(skel, it, types):
     if skel is None:
         return next(it)
     code, keys, children = skel
-    return _make(types[code], keys, [_from_skeleton(c, it, types) for c in children])
+    typ = types[code]
+    new = [_from_skeleton(c, it, types) for c in children]
+    return _make(typ[0], keys, new, typ[1]) if type(typ) is tuple else _make(typ, keys, new)
 
 
 # --------------------------------------------------------------------------

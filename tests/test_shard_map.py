@@ -410,6 +410,32 @@ def test_a_tuple_of_specs_fits_a_namedtuple_by_position():
     torch.testing.assert_close(out.y, torch.ones(3))
 
 
+def test_a_defaultdict_argument_and_output_keep_their_type_and_factory():
+    """They crashed rebuilding the container (`defaultdict(dict)`: its first argument is the factory)."""
+    import collections
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda d: collections.defaultdict(list, {"y": d["x"] * 2}), mesh=mesh,
+                        in_specs=(P("i"),), out_specs=P("i"))
+    for _ in range(2):  # (the second call takes the remembered match)
+        out = f(collections.defaultdict(int, {"x": torch.arange(4.0)}))
+        assert type(out) is collections.defaultdict and out.default_factory is list
+        torch.testing.assert_close(out["y"], 2 * torch.arange(4.0))
+    out = torch.compile(f, backend="eager")(collections.defaultdict(int, {"x": torch.arange(4.0)}))
+    assert type(out) is collections.defaultdict and out.default_factory is list
+
+
+def test_a_dict_of_specs_for_the_positional_arguments_is_a_clear_error():
+    """The first call crashed in the rebuild; the second paired the dict's entries with the arguments by
+    position, in the dict's order (`{'b': P('i'), 'a': P()}` gave `a` P('i'))."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda a, b: a + b, mesh=mesh, in_specs={"b": P("i"), "a": P()}, out_specs=P("i"))
+    for _ in range(2):
+        with pytest.raises(shmap.SpecError, match=r"in_specs: the top level is a dict of specs, .* Fix: "
+                                                  r"in_specs=\(P\(\), P\('i'\)\) for \(a, b\)"):
+            f(torch.ones(4), torch.ones(4))
+
+
 @pytest.mark.parametrize("q", [(1, 2), "deque"])
 def test_repeated_calls_reuse_the_spec_match_and_stay_right(q):
     """The second call of a structure takes the remembered match (spec_tree.cached_match): same
