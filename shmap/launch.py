@@ -10,6 +10,7 @@ period and then killed.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -44,12 +45,19 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
     """
     import torch.distributed as dist
 
+    _check_arguments(fn, nprocs, backend, timeout, grace, env)
+    try:  # fn travels pickled, unpickled after the child has this process's sys.path
+        job = pickle.dumps((fn, args))
+    except Exception as e:  # noqa: BLE001 - pickle raises several types
+        raise TypeError(
+            f"shmap.spawn: fn and args must be picklable to reach the ranks ({type(e).__name__}: {e}). Fix: pass "
+            "a function defined at module level (not a lambda, closure or method of a local class), and "
+            "arguments that pickle."
+        ) from e
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     out = ctx.Queue()
-    # fn travels pickled, unpickled after the child has this process's sys.path.
-    job = pickle.dumps((fn, args))
     procs = [
         ctx.Process(target=_worker, args=(job, list(sys.path), r, nprocs, store.port, backend, timeout,
                                           env or {}, out), daemon=True)
@@ -99,6 +107,25 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
     if errors:
         raise SpawnError(_summary(errors, nprocs, results), errors, results)
     return [results[r] for r in range(nprocs)]
+
+
+def _check_arguments(fn, nprocs, backend, timeout, grace, env):
+    def bad(name, rule, value, fix):
+        raise ValueError(f"shmap.spawn: {name} must be {rule}, got {value!r}. Fix: {fix}.")
+
+    if not callable(fn):
+        raise TypeError(f"shmap.spawn: fn must be a function, got {type(fn).__name__}.")
+    if type(nprocs) is not int or nprocs < 1:  # (bool is not int here)
+        bad("nprocs", "a positive int (the number of ranks)", nprocs, "e.g. nprocs=2")
+    if not isinstance(backend, str):
+        bad("backend", "a torch.distributed backend name", backend, "backend='gloo' (CPU) or 'nccl' (GPUs)")
+    for name, value, least in (("timeout", timeout, 0.0), ("grace", grace, None)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                value <= 0 if least is not None else value < 0):
+            bad(name, "a finite number of seconds" + (" > 0" if least is not None else " >= 0"), value,
+                f"e.g. {name}={60 if least is not None else 10}")
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) for k in env)):
+        bad("env", "a dict of environment variables (str keys)", env, "e.g. env={'OMP_NUM_THREADS': '1'}")
 
 
 def _died(code) -> str:
@@ -152,16 +179,24 @@ def _context():
 
 
 def _worker(job, path, rank, world, port, backend, timeout, env, out):
-    os.environ.update({k: str(v) for k, v in env.items()})
-    sys.path[:] = path + [p for p in sys.path if p not in path]
     import torch
     import torch.distributed as dist
 
     from .backends import watchdog
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+    try:  # the world's set-up: a failure here (an unknown backend, say) is this rank's error too
+        os.environ.update({k: str(v) for k, v in env.items()})
+        sys.path[:] = path + [p for p in sys.path if p not in path]
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent; no peer to tell yet
+        out.put((rank, False, (type(e).__name__, f"setting up the process group (backend={backend!r}): {e}",
+                               traceback.format_exc())))
+        out.close()
+        out.join_thread()
+        os._exit(1)
     try:
         fn, args = pickle.loads(job)
         result = fn(*args)

@@ -107,6 +107,27 @@ def test_spawn_reports_every_failed_rank():
     assert "fail_on_odd_ranks" in str(err)  # the root cause's traceback
 
 
+@pytest.mark.parametrize("kw, match", [
+    ({"nprocs": 0}, "nprocs must be a positive int"), ({"nprocs": -1}, "nprocs must be a positive int"),
+    ({"nprocs": "2"}, "nprocs must be a positive int"), ({"timeout": 0}, "timeout must be a finite number"),
+    ({"timeout": float("nan")}, "timeout must be"), ({"grace": -1}, "grace must be a finite number of seconds >= 0"),
+    ({"env": ["A"]}, "env must be a dict"), ({"backend": 3}, "backend must be a torch.distributed backend name"),
+])
+def test_spawn_checks_its_arguments_before_starting_anything(kw, match):
+    """nprocs=-1 returned [] and 0 raised TCPStore's error; the others failed in the ranks or in torch."""
+    with pytest.raises(ValueError, match=match):
+        shmap.spawn(dist_cases.rank, **{"nprocs": 2, **kw})
+
+
+def test_spawn_names_a_set_up_failure_and_an_unpicklable_function():
+    """A rank that fails setting up the world (an unknown backend) was 'exited with code 1 without a result'."""
+    with pytest.raises(shmap.SpawnError, match=r"rank 0: AssertionError: setting up the process group "
+                                               r"\(backend='nope'\): Unknown backend type nope"):
+        shmap.spawn(dist_cases.rank, nprocs=2, backend="nope", timeout=30)
+    with pytest.raises(TypeError, match=r"fn and args must be picklable .* module level"):
+        shmap.spawn(lambda: 0, nprocs=2)
+
+
 def test_make_mesh_distributed_needs_an_initialised_world():
     with pytest.raises(RuntimeError, match="torchrun"):
         shmap.make_mesh((2,), ("i",), distributed=True)
