@@ -185,7 +185,9 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
             continue
         if not isinstance(v, torch.Tensor):
             raise ValueError(
-                f"{api}: {path} is mapped along axis {ax} but is a {type(v).__name__}, which has no axes. "
+                f"{api}: {path} is mapped along axis {ax} but is a {type(v).__name__}"
+                + (", not a torch.Tensor (convert it: torch.as_tensor(x)). " if hasattr(v, "shape") else
+                   ", which has no axes. ") +
                 "Fix: pass a tensor, or give it in_axes None to broadcast it."
             )
         r = v.dim()
@@ -211,6 +213,12 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
                 "Fix: make them agree, or broadcast an argument with in_axes None."
             )
         n = distinct[0]
+        if n == 0:
+            p, _, ax = sizes[0]
+            raise ValueError(
+                f"{api}: {p} is mapped along axis {ax}, which has size 0: a pmap runs one device per index, and "
+                "a mesh has at least one device. Fix: map an axis of size >= 1, or skip the call for empty input."
+            )
     elif n is None:
         raise ValueError(
             f"{api}: no argument is mapped (in_axes are all None and there are no keyword arguments), so the "
@@ -313,7 +321,13 @@ def _outputs(api, name, out, out_axes, holder):
         if v is None:
             kept.append(None)
             continue
+        if ax is not None and (type(ax) is not int):
+            raise TypeError(f"{api}: out_axes entries must be ints or None, got {ax!r} ({type(ax).__name__}) for "
+                            f"output leaf {k}. Fix: e.g. out_axes=0.")
         if not isinstance(v, torch.Tensor):
+            if not isinstance(v, (bool, int, float, complex)):
+                raise TypeError(f"{api}: output leaf {k} is a {type(v).__name__}; pmap outputs are tensors or "
+                                "numbers (or None). Fix: return tensors, or compute the value outside pmap.")
             v = torch.as_tensor(v)
         if ax is None:
             if name in vma(v):
@@ -439,7 +453,11 @@ def _device_arg(api, n, devices, parent):
         raise ValueError(f"{api}: devices= can only be given to the outermost pmap (as in jax.pmap).")
     if isinstance(devices, (str, torch.device)):
         return torch.device(devices)
-    devs = list(devices)
+    try:
+        devs = list(devices)
+    except TypeError:
+        raise TypeError(f"{api}: devices must be a sequence of {n} devices (or one torch device), got "
+                        f"{devices!r}. Fix: e.g. devices=['cpu'] * {n}, or leave it out.") from None
     if len(devs) != n:
         raise ValueError(
             f"{api}: devices lists {len(devs)} devices but the mapped axis has size {n}. Fix: pass {n} devices "

@@ -277,6 +277,24 @@ def test_error_rank_static_and_no_mapped_axis():
         shmap.pmap(lambda a, b: a, "i", in_axes=(0,))(torch.ones(4), torch.ones(4))
 
 
+def test_error_bad_out_axes_outputs_devices_and_empty_axis():
+    """Each crashed in pmap or torch (a str compared with an int, unsqueeze of a float dim, a size-0 mesh)."""
+    x = torch.ones(4, 3)
+    for out_axes, leaf in [("0", 0), (1.0, 0), ((0, "x"), 1)]:
+        with pytest.raises(TypeError, match=rf"out_axes entries must be ints or None, got .* for output leaf {leaf}"):
+            shmap.pmap(lambda a: (a, a), "i", out_axes=out_axes)(x)
+    with pytest.raises(TypeError, match=r"output leaf 0 is a str; pmap outputs are tensors or numbers"):
+        shmap.pmap(lambda a: "s", "i")(x)
+    with pytest.raises(TypeError, match=r"devices must be a sequence of 4 devices"):
+        shmap.pmap(lambda a: a, "i", devices=3)(x)
+    with pytest.raises(ValueError, match=r"args\[0\] is mapped along axis 0, which has size 0"):
+        shmap.pmap(lambda a: a, "i")(torch.zeros(0, 2))
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"is a ndarray, not a torch.Tensor \(convert it: torch.as_tensor"):
+        shmap.pmap(lambda a: a, "i")(np.ones((4, 2)))
+
+
 def test_error_inner_axis_shadows_outer():
     inner = shmap.pmap(lambda a: shmap.psum(a, "i"), "i")
     outer = shmap.pmap(lambda a: inner(a), "i")
