@@ -32,6 +32,7 @@ from .operands import (
     _axes,
     _check_perm,
     _check_split,
+    _check_reducible,
     _countable,
     _dim,
     _operand,
@@ -85,7 +86,7 @@ def psum(x, axis_name):
     """
     axes = _axes("psum", axis_name)
     body, x = _operand("psum", x, axes)
-    x = _countable(x)
+    x = _countable(x, "psum", axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum(phys, x._paxes, axes, body, logical_shape(x), not body.check_vma)
     res = _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
@@ -122,6 +123,7 @@ def _pextremum(kind, x, axis_name):
             f"Fix: take the {'maximum' if kind == 'pmax' else 'minimum'} of a real quantity, e.g. "
             f"shmap.{kind}(x.abs(), {fmt_axes(axes)}) or shmap.{kind}(x.real, {fmt_axes(axes)})."
         )
+    _check_reducible(kind, axes, x)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.pextremum(kind, phys, x._paxes, axes, body, x.shape, not body.check_vma)
     return _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
@@ -290,7 +292,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
                            "psum_scatter a value with at least one dimension")
     d = _dim(api, "scatter_dimension", scatter_dimension, x.dim())
     _check_split(api, axes, body, x, d, n, tiled, f"dimension {d}")
-    x = _countable(x)
+    x = _countable(x, api, axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
     return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)

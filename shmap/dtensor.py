@@ -23,6 +23,7 @@ import torch
 
 from .backends.deferred import Deferred, arrived
 from .backends.functions import _Function
+from .errors import as_tensor_arg
 from .mesh import Mesh, PartitionSpec
 
 
@@ -359,7 +360,7 @@ def device_put(x, mesh: Mesh, spec: PartitionSpec):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"device_put: mesh must be a shmap.Mesh, got {type(mesh).__name__}.")
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        x = as_tensor_arg("device_put", "x", x)
     _check_spec(spec, "spec", x.shape, mesh, mesh.axis_names, "device_put", what="x")
     if not mesh.is_distributed:
         if is_dtensor(x):

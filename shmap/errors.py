@@ -139,3 +139,18 @@ def op_name(func) -> str:
     if mod.startswith("torch") and not name.startswith("Tensor") and "." not in name:
         return f"torch.{name}"
     return name
+
+
+def as_tensor_arg(api: str, what: str, x):
+    """`torch.as_tensor(x)` for an argument that may be a number or array-like, or a TypeError naming
+    `api` and the argument (torch's own names neither: "Could not infer dtype of NoneType")."""
+    import torch
+
+    try:
+        return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        shown = repr(x) if len(repr(x)) <= 60 else repr(x)[:57] + "..."
+        raise TypeError(
+            f"{api}: {what} must be a tensor or a number, got {type(x).__name__} {shown} ({e}). "
+            "Fix: pass a torch.Tensor."
+        ) from None

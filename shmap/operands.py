@@ -8,7 +8,7 @@ import operator
 import torch
 
 from . import context, nesting
-from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, fmt_axes, fmt_vma
+from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, as_tensor_arg, fmt_axes, fmt_vma
 from .tensor import ShTensor, lift
 
 
@@ -21,9 +21,10 @@ def _axes(api: str, axis_name) -> tuple:
                 f"{api}: axis_name {tuple(axis_name)} repeats an axis. Fix: name each mesh axis once."
             )
         return tuple(axis_name)
+    x = "" if api in ("axis_index", "axis_size") else "x, "  # (they take no operand)
     raise TypeError(
         f"{api}: axis_name must be a mesh axis name (str) or a non-empty tuple of names, "
-        f"got {axis_name!r}. Fix: e.g. {api}(x, 'i') or {api}(x, ('i', 'j'))."
+        f"got {axis_name!r}. Fix: e.g. {api}({x}'i') or {api}({x}('i', 'j'))."
     )
 
 
@@ -48,16 +49,36 @@ def _operand(api: str, x, axes):
             )
         return body, x
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        x = as_tensor_arg(api, "the operand", x)
     return body, ShTensor(x, (), frozenset(), body)
 
 
-def _countable(x: ShTensor) -> ShTensor:
+def _countable(x: ShTensor, api="psum", axes=()) -> ShTensor:
     """A sum's operand: booleans become int32 counts, as in JAX's psum (every other dtype is
     summed in its own dtype, integers wrapping, on both meshes)."""
     if x._phys.dtype == torch.bool:  # (the block's dtype: x.dtype would go through __torch_function__)
         return x.to(torch.int32)
+    _check_reducible(api, axes, x)
     return x
+
+
+#: dtypes torch can move but not reduce (no sum or max kernel on the CPU, and gloo does not carry them)
+_UNREDUCIBLE = frozenset(t for t in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex32"))
+    if t is not None)
+
+
+def _check_reducible(api, axes, x: ShTensor):
+    """The same clear error on both meshes (torch's differ: a missing CPU kernel, gloo's scalar type)."""
+    dt = x._phys.dtype
+    if dt in _UNREDUCIBLE:
+        name = str(dt).replace("torch.", "")
+        wide = "complex64" if dt.is_complex else "bfloat16"
+        raise CollectiveArgumentError(
+            f"{api} over {fmt_axes(axes)}: the operand is {name}, which torch can move but not reduce (no "
+            f"{'sum' if api.startswith('psum') else 'max/min'} kernel for it). Fix: reduce a wider copy and cast "
+            f"back, e.g. shmap.{api}(x.to(torch.{wide}), {fmt_axes(axes)}).to(x.dtype)."
+        )
 
 
 def _size(body, axes) -> int:

@@ -165,6 +165,36 @@ def test_complex_pmax_pmin_raise(kind):
         run_shmap([kind], sample(torch.complex64, (8, 4)))
 
 
+@pytest.mark.parametrize("kind, dtype", [  # (complex pmax/pmin: no order at all, test_complex_pmax_pmin_raise)
+    (k, d) for k in ("psum", "pmean", "pmax", "pmin", "psum_scatter")
+    for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32) if not (d.is_complex and k in ("pmax", "pmin"))
+], ids=str)
+def test_dtypes_torch_cannot_reduce_raise_clearly(kind, dtype):
+    """torch's own errors differed between the meshes ("sum_cpu" not implemented; gloo's invalid scalar type).
+    Moving such a value (all_gather) still works."""
+    x = torch.zeros(8, 4).to(dtype)
+    api = "psum" if kind == "pmean" else kind
+    with pytest.raises(shmap.CollectiveArgumentError, match=rf"{api} over 'i': the operand is .* which torch can "
+                                                            rf"move but not reduce .* Fix: .*\.to\(x\.dtype\)"):
+        run_shmap([kind], x)
+    out = shmap.shard_map(lambda v: shmap.all_gather_invariant(v, "i", tiled=True), mesh=shmap.make_mesh((N,), ("i",)),
+                          in_specs=P("i"), out_specs=P())(x)
+    assert out.dtype == dtype and out.shape == (8, 4)
+
+
+def test_non_tensor_operands_and_axis_names_are_clear_errors():
+    """Operands torch cannot convert named neither the collective nor the argument; axis_size's fix
+    showed an operand it does not take."""
+    mesh = shmap.make_mesh((N,), ("i",))
+    for bad in (None, "abc", [[1, 2], [3]]):
+        with pytest.raises(TypeError, match=r"psum: the operand must be a tensor or a number, got"):
+            shmap.shard_map(lambda v: shmap.psum(bad, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(torch.ones(8))
+        with pytest.raises(TypeError, match=r"device_put: x must be a tensor or a number"):
+            shmap.device_put(bad, mesh, P())
+    with pytest.raises(TypeError, match=r"Fix: e\.g\. axis_size\('i'\)"):
+        shmap.shard_map(lambda v: v * shmap.axis_size(0), mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.ones(8))
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.bfloat16], ids=str)
 def test_tuple_axes_and_untiled_collectives(dtype):
     """A (j, i) tuple on a 2x2 mesh: the same dtype rules when the devices are linearised."""
