@@ -35,6 +35,7 @@ from .operands import (
     _check_reducible,
     _countable,
     _dim,
+    _flag,
     _operand,
     _out,
     _shape_error,
@@ -237,7 +238,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
     axes = _axes(api, axis_name)
     body, x = _operand(api, x, axes)
     rank = x.dim()
-    if tiled:
+    if _flag(api, "tiled", tiled):
         if rank == 0:
             raise _shape_error(api, axes, body, x, "tiled=True concatenates along an existing dimension",
                                "use tiled=False for scalars, or give the value a dimension")
@@ -291,7 +292,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
         raise _shape_error(api, axes, body, x, "the operand needs a dimension to scatter",
                            "psum_scatter a value with at least one dimension")
     d = _dim(api, "scatter_dimension", scatter_dimension, x.dim())
-    _check_split(api, axes, body, x, d, n, tiled, f"dimension {d}")
+    _check_split(api, axes, body, x, d, n, _flag(api, "tiled", tiled), f"dimension {d}")
     x = _countable(x, api, axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
@@ -326,8 +327,11 @@ def pshuffle(x, axis_name, perm):
     axes = _axes(api, axis_name)
     body = context.body_for_axes(api, axes)
     n = _size(body, axes)
-    perm = list(perm)
-    if sorted(perm) != list(range(n)):
+    try:
+        perm = list(perm)
+    except TypeError:
+        perm = None
+    if perm is None or not all(type(p) is int for p in perm) or sorted(perm) != list(range(n)):
         raise CollectiveArgumentError(
             f"pshuffle: perm must be a permutation of range({n}) for axis {fmt_axes(axes)} of size {n}, "
             f"got {perm}. Fix: list each device index exactly once."
@@ -367,7 +371,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
                            "all_to_all a value with at least one dimension")
     sa = _dim(api, "split_axis", split_axis, rank)
     ca = _dim(api, "concat_axis", concat_axis, rank)
-    _check_split(api, axes, body, x, sa, n, tiled, f"split_axis {sa}")
+    _check_split(api, axes, body, x, sa, n, _flag(api, "tiled", tiled), f"split_axis {sa}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.all_to_all(phys, x._paxes, axes, body, x.shape, sa, ca, tiled)
     return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)

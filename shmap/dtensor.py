@@ -408,6 +408,8 @@ def visualize_sharding(x, mesh: Mesh | None = None, spec: PartitionSpec | None =
             mesh = Mesh(dm.mesh, dm.mesh_dim_names or tuple(f"dim{k}" for k in range(dm.ndim)), device_mesh=dm)
         if spec is None:
             spec = spec_from_placements(mesh, tuple(x.placements), x.dim())
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"visualize_sharding: mesh must be a shmap.Mesh, got {type(mesh).__name__}.")
     if mesh is None or spec is None:
         raise TypeError(
             "visualize_sharding: give the mesh and the spec, e.g. visualize_sharding(x, mesh, P('i')) "

@@ -36,6 +36,12 @@ class PartitionSpec:
                 e = e[0]
             if isinstance(e, tuple) and len(e) == 0:
                 e = None
+            if not (e is None or isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(a, str) for a in e))):
+                raise TypeError(
+                    f"P: entry {len(norm)} is {type(e).__name__} {e!r}; an entry is None, a mesh axis name, or a "
+                    "tuple of names (a dimension split over several axes, major to minor). Fix: e.g. P('i') or "
+                    "P(('i', 'j'))" + (" (a tuple: a set has no order)." if isinstance(e, (set, frozenset)) else ".")
+                )
             norm.append(e)
         self._entries = tuple(norm)
         # Derived once: specs are immutable and consulted on every call.
@@ -48,6 +54,10 @@ class PartitionSpec:
         while trimmed and trimmed[-1] is None:
             trimmed.pop()
         #: mesh axes along which the value is a pending sum (JAX's `unreduced`)
+        if not (isinstance(unreduced, str) or (isinstance(unreduced, (set, frozenset, tuple, list))
+                                                and all(isinstance(a, str) for a in unreduced))):
+            raise TypeError(f"P: unreduced must be an axis name or a set of names, got {unreduced!r}. "
+                            "Fix: e.g. P('i', unreduced={'j'}), or leave it out.")
         self.unreduced = frozenset({unreduced} if isinstance(unreduced, str) else unreduced)
         self._trimmed = tuple(trimmed)  # equality ignores trailing Nones
         self._hash = hash((self._trimmed, self.unreduced))
@@ -179,11 +189,24 @@ def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None, d
             "give one name per mesh axis, e.g. make_mesh((4, 2), ('i', 'j'))."
         )
     n = math.prod(shape)
+    if distributed is not None and not isinstance(distributed, bool):
+        raise TypeError(f"make_mesh: distributed must be True, False or None (decide from the world), got "
+                        f"{distributed!r}.")
     if distributed is None:
         distributed = _real_world()
     if distributed:
         return _world_mesh(shape, names, device)
+    if n > MAX_SIMULATED:
+        raise ValueError(
+            f"make_mesh: shape {shape} is a mesh of {n} devices; a simulated mesh holds at most {MAX_SIMULATED} "
+            "(each device is a row of every varying value in this process). Fix: a smaller shape."
+        )
     return Mesh(torch.arange(n).reshape(shape), names, device=device)
+
+
+#: the most devices a simulated mesh may have (its device-id table alone would not fit in memory long before
+#: 10**12, and every varying value holds a block per device)
+MAX_SIMULATED = 1 << 20
 
 
 def _mesh_shape(shape) -> tuple:

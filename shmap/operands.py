@@ -100,8 +100,9 @@ def _out(phys, paxes, vma_, body):
 
 
 def _dim(api, what, d, rank, allow_end=False):
-    if not isinstance(d, int):
-        raise TypeError(f"{api}: {what} must be an int, got {d!r}.")
+    if isinstance(d, bool) or not hasattr(d, "__index__"):
+        raise TypeError(f"{api}: {what} must be an int, got {d!r}. Fix: e.g. {what}=0.")
+    d = d.__index__()  # (integer scalars: numpy, 0-d integer tensors)
     hi = rank + 1 if allow_end else rank
     if not -hi <= d < hi:
         raise CollectiveShapeError(
@@ -109,6 +110,13 @@ def _dim(api, what, d, rank, allow_end=False):
             f"Fix: use a dimension in [{-hi}, {hi})."
         )
     return d % hi if hi else 0
+
+
+def _flag(api, what, v) -> bool:
+    """A boolean argument: a truthy string ('no') is not taken for True."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{api}: {what} must be True or False, got {v!r}.")
+    return v
 
 
 def _check_split(api, axes, body, x, d, n, tiled, what):

@@ -66,6 +66,8 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
             f"shard_map: mesh must be a shmap.Mesh, got {type(mesh).__name__}. "
             "Fix: mesh = shmap.make_mesh((4, 2), ('i', 'j'))."
         )
+    if not isinstance(check_vma, bool):
+        raise TypeError(f"shard_map: check_vma must be True or False, got {check_vma!r}.")
     manual = _manual_axes(mesh, axis_names)
     fname = getattr(f, "__name__", "f")
     params = _param_names(f)
@@ -113,6 +115,12 @@ def _compiled_module_type():
 def _manual_axes(mesh, axis_names):
     if axis_names is None:
         return mesh.axis_names
+    ok = isinstance(axis_names, str) or (isinstance(axis_names, (tuple, list, set, frozenset))
+                                         and all(isinstance(a, str) for a in axis_names))
+    if not ok:
+        raise TypeError(f"shard_map: axis_names must be a mesh axis name or a collection of names, got "
+                        f"{axis_names!r}. Fix: e.g. axis_names={{'i'}}, or leave it out (all of mesh "
+                        f"{mesh.describe()}'s axes).")
     names = {axis_names} if isinstance(axis_names, str) else set(axis_names)
     unknown = [a for a in names if a not in mesh.shape]
     if unknown:
@@ -267,6 +275,12 @@ def _enter(path, value, spec, body, mesh, fname, what):
     if isinstance(value, ShTensor) and body.parent is not None and value._body is body.parent:
         _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
         return nesting.enter(value, spec, body)
+    if isinstance(value, ShTensor) and not value._body.active:
+        raise SpecError(
+            f"shard_map({fname}) {path}: got a value of a shard_map body that has already returned (kept in a "
+            "list or a closure). Body values exist only while their body runs. Fix: return it from that body "
+            "(with an out_spec) and pass the global result."
+        )
     if isinstance(value, ShTensor):
         raise SpecError(
             f"shard_map({fname}) {path}: got a value of another shard_map body, over a different mesh than this "
@@ -274,6 +288,12 @@ def _enter(path, value, spec, body, mesh, fname, what):
             "(axis_names=...). Fix: use the same mesh, or pass the outer body's value as a global array."
         )
     caller_tensor = isinstance(value, torch.Tensor)  # caller data: read-only in the body
+    if caller_tensor and (value.layout is not torch.strided or value.is_nested):
+        raise TypeError(
+            f"shard_map({fname}) {path}: got a {'nested' if value.is_nested else str(value.layout)} tensor; a "
+            "shard_map argument is a dense (strided) tensor, cut into blocks. Fix: pass x.to_dense() (or a padded "
+            "dense tensor), or mark it static with a None spec."
+        )
     if isinstance(value, (numbers.Number, bool)) and not isinstance(value, torch.Tensor):
         value = torch.tensor(value)
     if not isinstance(value, torch.Tensor):

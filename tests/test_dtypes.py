@@ -216,3 +216,27 @@ def test_tuple_axes_and_untiled_collectives(dtype):
     assert s.dtype == want.dtype and torch.equal(s, want)
     assert g.dtype == dtype and torch.equal(g.reshape(4, 4, 2, 4)[0], blocks[[0, 2, 1, 3]])
     assert a.dtype == dtype
+
+
+def test_collective_flags_and_dims_take_bools_and_integer_scalars():
+    """tiled='no' tiled; a numpy integer axis was refused (make_mesh takes them); pshuffle(perm=None) raised
+    "'NoneType' object is not iterable"."""
+    import numpy as np
+
+    mesh = shmap.make_mesh((N,), ("i",))
+
+    def run(body, out=P()):
+        return shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=out)(torch.arange(8.0).reshape(8, 1))
+
+    for bad in ("no", None, 1):
+        with pytest.raises(TypeError, match=r"all_gather_invariant: tiled must be True or False"):
+            run(lambda v: shmap.all_gather_invariant(v, "i", tiled=bad))
+        with pytest.raises(TypeError, match=r"psum_scatter: tiled must be True or False"):
+            run(lambda v: shmap.psum_scatter(v, "i", tiled=bad), P("i"))
+    got = run(lambda v: shmap.all_gather_invariant(v, "i", axis=np.int64(1), tiled=True))
+    assert torch.equal(got, run(lambda v: shmap.all_gather_invariant(v, "i", axis=1, tiled=True)))
+    assert got.tolist() == [[0.0, 2.0, 4.0, 6.0], [1.0, 3.0, 5.0, 7.0]]
+    with pytest.raises(TypeError, match=r"all_gather_invariant: axis must be an int, got True"):
+        run(lambda v: shmap.all_gather_invariant(v, "i", axis=True))
+    with pytest.raises(shmap.CollectiveArgumentError, match=r"pshuffle: perm must be a permutation of range\(4\)"):
+        run(lambda v: shmap.pshuffle(v, "i", None), P("i"))

@@ -86,3 +86,21 @@ def test_a_fake_process_group_still_gets_a_simulated_mesh():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]
+
+
+def test_partition_spec_entries_and_unreduced_are_checked_when_built():
+    """A set entry raised "unhashable type: 'set'"; unreduced=None "'NoneType' object is not iterable"."""
+    with pytest.raises(TypeError, match=r"P: entry 0 is set .*\(a tuple: a set has no order\)"):
+        P({"i", "j"})
+    with pytest.raises(TypeError, match=r"P: entry 1 is int 3"):
+        P("i", 3)
+    with pytest.raises(TypeError, match=r"P: unreduced must be an axis name or a set of names, got None"):
+        P("i", unreduced=None)
+    assert P(("i", "j"), unreduced=["k"]).unreduced == {"k"}
+
+
+def test_make_mesh_distributed_is_a_bool_and_a_simulated_mesh_has_a_bound():
+    with pytest.raises(TypeError, match=r"distributed must be True, False or None"):
+        shmap.make_mesh((2,), ("i",), distributed="no")  # (a truthy string meant True)
+    with pytest.raises(ValueError, match=r"a mesh of 1000000000000 devices; a simulated mesh holds at most"):
+        shmap.make_mesh((10 ** 6, 10 ** 6), ("i", "j"))  # (it allocated the 8 TB device table)

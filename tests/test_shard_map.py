@@ -469,3 +469,18 @@ def test_containers_only_shard_map_opens_are_not_remembered_wrongly():
     for step in range(3):
         a, b = torch.arange(4.0) + step, torch.arange(4.0) * 2
         torch.testing.assert_close(f(Params([a, b])), a * b)
+
+
+def test_bad_flags_sparse_arguments_and_a_returned_bodys_value_are_clear_errors():
+    mesh = shmap.make_mesh((2,), ("i",))
+    with pytest.raises(TypeError, match=r"axis_names must be a mesh axis name or a collection of names, got 1"):
+        shmap.shard_map(lambda a: a, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=1)
+    with pytest.raises(TypeError, match=r"check_vma must be True or False, got 'no'"):
+        shmap.shard_map(lambda a: a, mesh=mesh, in_specs=P(), out_specs=P(), check_vma="no")
+    f = shmap.shard_map(lambda a: a, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    with pytest.raises(TypeError, match=r"in_specs\[0\]: got a torch.sparse_coo tensor.* x.to_dense\(\)"):
+        f(torch.ones(4, 2).to_sparse())
+    kept = []
+    shmap.shard_map(lambda a: (kept.append(a), a)[1], mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.ones(4))
+    with pytest.raises(shmap.SpecError, match=r"a shard_map body that has already returned"):
+        f(kept[0])  # (it said "over a different mesh", though the mesh is the same)

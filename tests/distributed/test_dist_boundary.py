@@ -78,6 +78,8 @@ def test_visualize_sharding_draws_which_device_holds_which_block():
     assert "[0:2, 0:2, 0:2] on device 0, 1" in shmap.visualize_sharding((4, 2, 2), mesh, P("i"))
     assert "every device: 0, 1, 2, 3" in shmap.visualize_sharding((), mesh, P())
     # A shape is non-negative ints: a float or a negative size was drawn as another shape.
+    with pytest.raises(TypeError, match=r"visualize_sharding: mesh must be a shmap.Mesh, got str"):
+        shmap.visualize_sharding((8, 4), "mesh", P("i"))
     for bad in [(2.5, 4), (-4, 2), [4, "2"], "ab", 5]:
         with pytest.raises(TypeError, match=r"visualize_sharding: x must be a tensor, a DTensor or a shape"):
             shmap.visualize_sharding(bad, mesh, P("i"))
