@@ -466,6 +466,8 @@ def _check_not_argument(func, x):
 def _make_writable(x: ShTensor):
     """Give `x` its own storage if its layout is a stride-0 broadcast (from pvary)."""
     k = len(x._paxes)
+    if not k:  # a block of its own (the distributed mesh): nothing broadcast
+        return
     st = x._phys.stride()
     if any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k)):
         x._phys = x._phys.clone()
