@@ -337,6 +337,18 @@ def train(cfg: Config, log=print) -> dict:
     if bar is not None:
         bar.close()
     result.update(history=writer.history, params=params, opt=opt, run=run)
+    try:
+        _finish(cfg, run, params, result, out, main_rank, log)
+    except KeyboardInterrupt:  # training is done and saved: say so, rather than a bare traceback
+        log("\ninterrupted after training: " + (f"the final state is saved in {last_saved}; " if last_saved else "")
+            + (f"{out / 'metrics.jsonl'} holds every step's metrics" if out is not None else "nothing else lost")
+            + f" (final validation loss {result['final_val_loss']:.4f} nats/byte)")
+        raise
+    return result
+
+
+def _finish(cfg: Config, run: Run, params, result, out, main_rank, log):
+    """After training: a sample, the loss plot, the final validation loss."""
     full = run.full_params(params)
     if main_rank and cfg.sample_len:
         text = sample(cfg, full, cfg.sample_prompt, cfg.sample_len, temperature=cfg.temperature,
@@ -351,7 +363,6 @@ def train(cfg: Config, log=print) -> dict:
         log(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'}" + (f", {out / 'sample.txt'}" if cfg.sample_len
                                                                     else ""))
     log(f"final validation loss: {result['final_val_loss']:.4f} nats/byte")
-    return result
 
 
 def _check_output_dirs(cfg: Config):

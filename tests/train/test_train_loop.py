@@ -2,6 +2,7 @@
 non-finite loss and Ctrl-C stop cleanly and lose nothing."""
 import json
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,17 @@ def test_ctrl_c_after_a_step_saves_that_step_under_its_own_number(tmp_path, monk
     resumed = loop.train(tiny("fsdp=2", **kw, resume=True), **QUIET)
     full = loop.train(tiny("fsdp=2", **{**kw, "checkpoint_dir": str(tmp_path / "full")}), **QUIET)
     assert _losses(resumed) == _losses(full)[4:]
+
+
+def test_ctrl_c_while_plotting_says_what_is_kept(tmp_path, monkeypatch):
+    """Training is done and saved when the plot is drawn: the message says where (it was a bare traceback)."""
+    ck, out, said = tmp_path / "ck", tmp_path / "o", []
+    _interrupt_at(monkeypatch, loop, "plot", 1)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tiny("none", steps=2, checkpoint_dir=str(ck), out=str(out)), log=said.append)
+    assert re.search(r"interrupted after training: the final state is saved in .*step_00000002; .*metrics.jsonl "
+                     r"holds every step's metrics \(final validation loss \d\.\d{4}", said[-1]), said[-1]
+    assert checkpoint.read_meta(checkpoint.latest(ck))["step"] == 2
 
 
 def test_sigterm_is_met_as_ctrl_c(tmp_path, monkeypatch):
