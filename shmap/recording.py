@@ -7,6 +7,8 @@ direction.  `event` builds the `comm.CommEvent` both meshes report.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import comm, ops
@@ -49,10 +51,15 @@ class LogComm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         fwd, bwd = ctx.events
-        # Without create_graph this only records (no node is built).
+        # Without create_graph this only records (no node is built).  Transposed again (a second
+        # derivative), a linear collective is itself; pmax / pmin are not linear: their linearisation is a
+        # psum of the tangent on the devices holding the extremum (`Pextremum.jvp` on processes).
+        if fwd is not None and fwd.kind in _NONLINEAR:
+            fwd = dataclasses.replace(fwd, kind="psum")
         return log_comm(g, bwd, fwd), None, None
 
 
+_NONLINEAR = frozenset({"pmax", "pmin"})
 _FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]

@@ -280,6 +280,11 @@ class Pextremum(_Function):
         g = ctx.g
         if ctx.unchecked:
             ct = PsumUnchecked.apply(ct, g, False)
+        elif torch.is_grad_enabled():
+            # A graph for higher derivatives: the invariant cotangent times the varying mask is an implicit
+            # pvary, whose transpose (a psum, reported as the simulated mesh's transposed pmax is) the second
+            # derivative needs (without it, every device's term through the cotangent was lost, silently).
+            ct = Pvary.apply(ct, g)
         mask = (x == out).to(ct.dtype)
         return ct * mask / _count(mask, g), None, None, None, None
 

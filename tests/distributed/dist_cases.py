@@ -203,6 +203,12 @@ def _hand_cases() -> list[Case]:
                                                           ("j", "i"), 0, 0, tiled=True) ** 3).sum()
                                        + shmap.all_gather_invariant(x, "j", tiled=True).sum(), ("i", "j")),
                   (P("j"),), P(), ((32, 4),), second_order=True))
+    # pmax's cotangent is invariant and meets a varying mask: the second derivative needs that lift's psum
+    # (the distributed mesh lost every device's term through the cotangent: zeros, silently)
+    C.append(Case("second order: pmax and pmin times the varying value", *ij,
+                  lambda x: shmap.psum((shmap.pmax(x ** 3, "i") ** 2 * x).sum()
+                                       + (shmap.pmin(torch.sin(x), ("i", "j")) * x ** 2).sum(), ("i", "j")),
+                  (P(("i", "j")),), P(), ((8, 3),), second_order=True))
     return C
 
 
