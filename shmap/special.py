@@ -241,6 +241,27 @@ _SPECIAL[_T.__str__] = _repr
 _SPECIAL[_T.__format__] = _format_spec
 _SPECIAL[_T.backward] = _backward
 _SPECIAL[torch.autograd.grad] = _autograd_grad
+def _storage_op(what):
+    """Ops that read or rewrite a value's storage layout: a body value's storage is the mesh's (all devices'
+    rows in one tensor on the simulated mesh, a view into the global tensor on a process), so they would
+    mean different things on the two meshes; resized in place, a value would also change its per-device
+    shape under its type.  Refused on both meshes."""
+    def refuse(func, args, kwargs):
+        if func in (_T.as_strided, torch.as_strided) and len(args) < 4 and kwargs.get("storage_offset") is None:
+            return typed_call(func, args, kwargs)  # (relative to the value itself: the same on both meshes)
+        raise NotImplementedError(
+            f"{what} on a shard_map body value: its storage is laid out by the mesh (every device's block in "
+            "one tensor on the simulated mesh, a view into the global tensor on a process), so the result would "
+            "differ between the meshes. Fix: build the value you need with out-of-place ops (reshape, view, "
+            "narrow, torch.cat, new_zeros), or as_strided without a storage_offset."
+        )
+    return refuse
+
+
+for _m, _what in ((_T.resize_, "`resize_`"), (_T.resize_as_, "`resize_as_`"), (_T.as_strided_, "`as_strided_`"),
+                  (_T.storage_offset, "`storage_offset()`"),
+                  (_T.as_strided, "`as_strided` with a storage_offset"), (torch.as_strided, "`as_strided` with a storage_offset")):
+    _SPECIAL[_m] = _storage_op(_what)
 for _m, _what in ((_T.__bool__, "Python control flow (`if`/`while`/`bool()`) on a tensor"),
                   (_T.item, "`.item()`"), (_T.tolist, "`.tolist()`"), (_T.numpy, "`.numpy()`"),
                   (_T.__int__, "`int()`"), (_T.__float__, "`float()`"), (_T.__index__, "use as an index"),

@@ -247,3 +247,30 @@ def test_to_the_dtype_a_value_has_is_the_value_itself():
     (g,) = torch.autograd.grad(out, x)
     assert seen == {"same": True, "other": True}
     assert g.dtype == torch.float32 and torch.allclose(g, 2 * x.detach())
+
+
+@pytest.mark.parametrize("op", ["resize_", "resize_as_", "as_strided_", "set_", "storage_offset", "offset"])
+def test_storage_layout_ops_are_refused_on_body_values(op):
+    """resize_ gave device 1 device 0's rows on the simulated mesh; as_strided_/resize_as_ kept the old
+    per-device shape; set_ an internal error; storage_offset() and an explicit offset differed by mesh."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    calls = {"resize_": lambda y: y.resize_(2, 3), "resize_as_": lambda y: y.resize_as_(torch.zeros(2, 3)),
+             "as_strided_": lambda y: y.as_strided_((2, 3), (6, 2)), "set_": lambda y: y.set_(torch.zeros(2, 3)),
+             "storage_offset": lambda y: y.storage_offset(), "offset": lambda y: y.as_strided((2, 3), (6, 1), 1)}
+
+    def body(x):
+        y = x * 1
+        calls[op](y)
+        return y
+
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"on a shard_map body value: its storage is laid "
+                                                                   r"out by the mesh.*Fix: build the value"):
+        shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.arange(48.0).reshape(8, 6))
+
+
+def test_as_strided_without_an_offset_is_per_device():
+    mesh = shmap.make_mesh((4,), ("i",))
+    x = torch.arange(48.0).reshape(8, 6)
+    out = shmap.shard_map(lambda v: (v * 1).as_strided((2, 3), (6, 2)), mesh=mesh, in_specs=P("i"),
+                          out_specs=P("i"))(x)
+    assert torch.equal(out, torch.cat([(b * 1).as_strided((2, 3), (6, 2)) for b in x.chunk(4)]))
