@@ -22,8 +22,7 @@ from torch._C._functorch import (
     _vmap_increment_nesting,
 )
 
-from . import contract
-from .errors import op_name
+from . import contract, per_device
 
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -404,6 +403,7 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
     sizes = body.sizes
     order, adds, removes = level_plan(out_paxes, batched)
     levels = []
+    blocks = list(leaves)  # (unbatched, for `per_device.retry`)
     try:
         for ax, add in zip(order, adds):
             n = sizes[ax]
@@ -415,13 +415,15 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
         args, kwargs = unflatten(treedef, leaves)
         try:
             out = run(func, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - annotate, then re-raise as is
-            if hasattr(e, "add_note"):
-                e.add_note(
-                    f"(shmap: raised while running {op_name(func)} batched over the devices of mesh "
-                    f"{body.describe()}; per-device shapes are the logical ones.)"
-                )
-            raise
+        except Exception as e:  # noqa: BLE001 - vmap cannot batch it (or it fails): device by device, below
+            failed = e
+        else:
+            failed = None
+        if failed is not None:
+            for _ in levels:
+                _vmap_decrement_nesting()
+            levels = []
+            return per_device.retry(func, blocks, treedef, batched, out_paxes, body, run, unflatten, failed)
         single = isinstance(out, torch.Tensor)
         out_leaves, out_def = ([out], None) if single else optree.tree_flatten(out, none_is_leaf=True)
         for out_dim in removes:

@@ -1,0 +1,122 @@
+"""The simulated mesh's fallback for an op vmap cannot batch: run it once per device.
+
+`batching.run_batched` runs an op once over every device with functorch's
+vmap.  Some ops have no batching rule (RNNs), some decompositions do in-place
+arithmetic vmap refuses (`cross_entropy` with class weights and label
+smoothing), and an op whose output shape depends on values (boolean-mask
+indexing, `unique`) cannot be batched at all.  On a process each device runs
+the op on its own block; here it runs device by device in the same way and the
+results are stacked: slower, never different.  An error the op raises on one
+device is that device's error, with its per-device shapes, as a process would
+report it.  Results of different shapes on different devices would be a value
+with no single per-device shape: refused, naming the op.
+"""
+from __future__ import annotations
+
+import itertools
+
+import optree
+import torch
+
+from .errors import VmaError, op_name
+
+#: what vmap says when it cannot batch an op (an in-place op retried only then: it failed before writing)
+_VMAP_REFUSALS = ("vmap", "Batching rule", "batched", "Batched", "batching")
+
+
+def retry(func, leaves, treedef, batched, out_paxes, body, run, unflatten, error: Exception):
+    """`func` once per device of `out_paxes` on each device's block of `leaves` (`batched`: (leaf index,
+    its device axes)); the results stacked with leading device dims in mesh order.  `error` is vmap's."""
+    from .tensor import _is_inplace  # (tensor imports batching, which imports this module)
+
+    inplace = _is_inplace(func)
+    if inplace and not any(m in str(error) for m in _VMAP_REFUSALS):
+        raise error
+    sizes = [body.sizes[a] for a in out_paxes]
+    outs, devices = [], list(itertools.product(*(range(n) for n in sizes)))
+    done = {k for k, _ in batched}
+    # Tensors that are the same on every device (closed over, invariant): an op that writes one from varying
+    # data (BatchNorm's running statistics) would have each device write it in turn.  (Not every such write
+    # bumps the version counter: the values are compared, after the first device.)
+    shared = [(t, t.detach().clone()) for k, t in enumerate(leaves) if k not in done and isinstance(t, torch.Tensor)]
+    for idx in devices:
+        coord = dict(zip(out_paxes, idx))
+        per = list(leaves)
+        for k, paxes in batched:
+            per[k] = leaves[k][tuple(coord[a] for a in paxes)]  # (a view: an in-place op writes the block)
+        args, kwargs = unflatten(treedef, per)
+        try:
+            outs.append(run(func, args, kwargs))
+            if idx == devices[0]:
+                _check_shared(func, shared, body)
+        except VmaError:
+            raise
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"(shmap: raised by {op_name(func)} on device {_where(out_paxes, idx)} of mesh "
+                           f"{body.describe()}, run device by device: vmap cannot batch it, {_first_line(error)})")
+            raise
+    if inplace:
+        return None  # (`_dispatch` returns the target itself)
+    return _stack(func, outs, devices, sizes, out_paxes, body)
+
+
+def _stack(func, outs, devices, sizes, out_paxes, body):
+    flat = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
+    treedef = flat[0][1]
+    stacked = []
+    for j, first in enumerate(flat[0][0]):
+        column = [f[0][j] for f in flat]
+        if not isinstance(first, torch.Tensor):
+            if any(c != first for c in column):
+                raise VmaError(f"{op_name(func)}: returns {first!r} on device {_where(out_paxes, devices[0])} but "
+                               f"other values on other devices (mesh {body.describe()}); a body value is one per "
+                               "device. Fix: compute it from tensors, or reduce it first.")
+            stacked.append(first)
+            continue
+        shapes = {tuple(c.shape) for c in column}
+        if len(shapes) > 1:
+            where = {}
+            for c, d in zip(column, devices):
+                where.setdefault(tuple(c.shape), _where(out_paxes, d))
+            listed = "; ".join(f"device {w}: {s}" for s, w in where.items())
+            raise VmaError(
+                f"{op_name(func)}: its result has a different shape on different devices ({listed}; mesh "
+                f"{body.describe()}): its shape depends on each device's values (unique, nonzero, a boolean "
+                "mask), and a shard_map value has one per-device shape. Fix: keep shapes fixed, e.g. "
+                "torch.where(mask, x, 0) instead of x[mask], or pad to a common size."
+            )
+        stacked.append(torch.stack(column).reshape(*sizes, *first.shape))
+    return optree.tree_unflatten(treedef, stacked)
+
+
+def _check_shared(func, shared, body):
+    """Refuse (and undo) a write to a tensor every device shares, from the first device's values."""
+    changed = [(t, b) for t, b in shared if not _same(t.detach(), b)]
+    if not changed:
+        return
+    with torch.no_grad():
+        for t, before in changed:
+            t.copy_(before)  # (as they were: the call fails)
+    raise VmaError(
+        f"{op_name(func)}: updates a tensor of shape {tuple(changed[0][0].shape)} that is the same on every device "
+        "(closed over, or invariant: e.g. BatchNorm's running statistics in training mode) from values that vary "
+        f"across the devices (mesh {body.describe()}): each device would write its own. Fix: keep such state per "
+        "device (an argument with a sharded spec, returned updated), reduce the statistics first (shmap.pmean), "
+        "or run the module in eval mode."
+    )
+
+
+def _same(a, b) -> bool:
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return torch.equal(a, b)
+
+
+def _where(out_paxes, idx) -> str:
+    return "(" + ", ".join(f"{a}={i}" for a, i in zip(out_paxes, idx)) + ")"
+
+
+def _first_line(e) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:200] if s else type(e).__name__

@@ -1,0 +1,90 @@
+"""Ops vmap cannot batch run device by device on the simulated mesh (shmap/per_device.py), as on processes.
+
+Each case is compared with plain PyTorch on each device's block: values and gradients.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shmap
+from shmap import P
+
+MESH = shmap.make_mesh((4,), ("i",))
+
+
+def per_block(f, *xs):
+    """f on each device's block of `xs` (split on dim 0), concatenated: what the processes compute."""
+    return torch.cat([f(*bs) for bs in zip(*(x.chunk(4) for x in xs))])
+
+
+def test_an_op_without_a_batching_rule_runs_per_device_with_gradients():
+    """nn.GRU: 'Batching rule not implemented for aten::gru.input'."""
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(3, 5, batch_first=True).double()
+    x = torch.randn(8, 6, 3, dtype=torch.float64, requires_grad=True)
+    f = shmap.shard_map(lambda v: gru(v)[0], mesh=MESH, in_specs=P("i"), out_specs=P("i"))
+    out = f(x)
+    want = per_block(lambda v: gru(v)[0], x)
+    torch.testing.assert_close(out, want)
+    ct = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *gru.parameters()], ct)
+    ref = torch.autograd.grad(want, [x, *gru.parameters()], ct)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_cross_entropy_with_weights_and_label_smoothing():
+    """Its decomposition did in-place arithmetic vmap refuses."""
+    torch.manual_seed(1)
+    logits = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 5, (8,))
+    w = torch.rand(5, dtype=torch.float64)
+
+    def loss(z, t):
+        return F.cross_entropy(z, t, weight=w, label_smoothing=0.1).reshape(1)
+
+    out = shmap.shard_map(loss, mesh=MESH, in_specs=(P("i"), P("i")), out_specs=P("i"))(logits, target)
+    want = per_block(loss, logits, target)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), logits)[0], torch.autograd.grad(want.sum(), logits)[0])
+
+
+def test_boolean_mask_assignment_on_a_body_value():
+    x = torch.randn(8, 3, dtype=torch.float64)
+
+    def body(v):
+        y = v * 1
+        y[y > 0] = 0
+        return y
+
+    out = shmap.shard_map(body, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+    assert torch.equal(out, x.clamp(max=0))
+
+
+def test_a_result_whose_shape_differs_by_device_is_refused_naming_the_shapes():
+    x = torch.tensor([[1.0, 1.0], [1.0, 2.0], [3.0, 3.0], [4.0, 5.0]] * 2)
+    with pytest.raises(shmap.VmaError, match=r": its result has a different shape on different devices "
+                                             r"\(device \(i=0\): \(2,\); device \(i=1\): \(3,\); mesh"):
+        shmap.shard_map(lambda v: torch.unique(v)[None], mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+
+
+def test_writing_shared_state_from_varying_values_is_refused_and_undone():
+    """Training-mode BatchNorm updates its running statistics, the same tensors on every device."""
+    bn = torch.nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+    with pytest.raises(shmap.VmaError, match=r"batch_norm: updates a tensor of shape \(3,\) that is the same on every "
+                                             r"device .* Fix: keep such state per device"):
+        shmap.shard_map(lambda v: bn(v), mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+    assert torch.equal(bn.running_mean, torch.zeros(3)) and torch.equal(bn.running_var, torch.ones(3))
+    bn.eval()  # (reading them is fine)
+    out = shmap.shard_map(lambda v: bn(v), mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+    torch.testing.assert_close(out, bn(x))
+
+
+def test_an_error_is_the_devices_own_with_per_device_shapes():
+    """A reshape that does not fit a block: the per-device shapes, as a process reports them (it showed
+    the all-device tensor's)."""
+    x = torch.randn(8, 6)
+    with pytest.raises(RuntimeError, match=r"shape '\[5, 3\]' is invalid for input of size 12") as info:
+        shmap.shard_map(lambda v: (v * 1).reshape(5, 3), mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+    assert "on device (i=0) of mesh (i=4), run device by device" in "".join(getattr(info.value, "__notes__", []))
