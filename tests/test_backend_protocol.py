@@ -47,7 +47,8 @@ def _backend_attributes(path):
 #: the front end proper: typing, dispatch, collectives, the boundary, nesting (dtensor.py, the
 #: DTensor layer of the distributed mesh, may use that backend's helpers)
 FRONT = ("tensor.py", "special.py", "recording.py", "batching.py", "collectives.py", "operands.py",
-         "shard_map.py", "spec_tree.py", "nesting.py", "pmap.py", "interop.py", "context.py")
+         "shard_map.py", "spec_tree.py", "nesting.py", "pmap.py", "interop.py", "custom_function.py", "per_device.py",
+         "context.py")
 
 
 def test_the_front_end_asks_a_backend_only_what_the_protocol_declares():

@@ -319,6 +319,39 @@ def test_autograd_function_under_torch_func_inside_and_outside_a_body():
     torch.testing.assert_close(torch.vmap(f)(xs), (xs ** 3).sum(1))
 
 
+class ExpJvp(torch.autograd.Function):
+    """A Function with a forward-mode rule that saves for it (save_for_forward)."""
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * ctx.saved_tensors[0]
+
+
+def test_autograd_function_jvp_rule_in_and_around_a_body():
+    """Forward mode raised 'You must implement the jvp function' (and save_for_forward an AttributeError)."""
+    x = torch.randn(8, 3, dtype=torch.float64)
+    ones = torch.ones_like(x)
+    inside = sm(lambda v: torch.func.jvp(ExpJvp.apply, (v,), (torch.ones_like(v),))[1], P("i"), P("i"))
+    torch.testing.assert_close(inside(x), x.exp())
+    outside = torch.func.jvp(sm(ExpJvp.apply, P("i"), P("i")), (x,), (ones,))[1]
+    torch.testing.assert_close(outside, x.exp())
+    jac = sm(lambda v: torch.func.jacfwd(lambda y: ExpJvp.apply(y).sum())(v), P("i"), P("i"))
+    torch.testing.assert_close(jac(x), x.exp())
+
+
 def test_torch_func_of_a_check_vma_false_shard_map_from_outside():
     """An unmapped output with check_vma=False keeps device 0's copy (`TakeFirst`, cotangent / size):
     grad, jvp and vmap of it from outside equal plain PyTorch's of the same math."""
