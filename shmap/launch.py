@@ -139,9 +139,11 @@ def _died(code) -> str:
         except ValueError:
             pass
         if code == -signal.SIGABRT:
-            msg += ("; if its stderr shows gloo's 'Received data size doesn't match expected size', a peer "
-                    "sent it a larger block than it expected: the ranks called a ppermute or all_to_all with "
-                    "different shapes (a sender with nothing to receive cannot notice)")
+            msg += ("; if its stderr shows gloo's 'Received data size doesn't match expected size' (or "
+                    "'op.preamble.length <= op.nbytes'), a peer sent it a larger block than it expected: the "
+                    "ranks called a ppermute or all_to_all with different shapes (a sender with nothing to "
+                    "receive cannot notice), or a shard_map output has a different shape on different ranks "
+                    "(unique, nonzero, a boolean mask), which DTensor's full_tensor() then gathers")
     return msg
 
 

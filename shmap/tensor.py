@@ -227,6 +227,7 @@ def _is_inplace(func) -> bool:
 
 
 _EMPTY = frozenset()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (a module's parameter, closed over by a traced body)
 
 
 def _dispatch(func, args, kwargs):
@@ -256,7 +257,7 @@ def _dispatch(func, args, kwargs):
             tensor_idx.append(k)
             if type(leaf) is not torch.Tensor:
                 _check_not_dtensor(func, leaf)
-            if torch._C._len_torch_dispatch_stack() and type(leaf) is torch.Tensor:
+            if torch._C._len_torch_dispatch_stack() and type(leaf) in _PLAIN:
                 _check_traced_closure(func, leaf)
 
     if kwargs and kwargs.get("out") is not None:
@@ -432,9 +433,8 @@ def _check_inplace(func, self_val, union, body):
         _check_not_argument(func, self_val)
     self_vma = self_val._vma if isinstance(self_val, ShTensor) else frozenset()
     if not union <= self_vma:
-        what = "a value created outside the body (invariant)" if not isinstance(self_val, ShTensor) else (
-            f"a value varying along {fmt_vma(self_vma, body.axes)}"
-        )
+        what = ("a plain tensor (invariant: made outside the body, or by a factory such as torch.zeros in it)"
+                if not isinstance(self_val, ShTensor) else f"a value varying along {fmt_vma(self_vma, body.axes)}")
         raise VmaError(
             f"{op_name(func)}: in-place update of {what} with operands varying along "
             f"{fmt_vma(union, body.axes)} (mesh {body.describe()}). An in-place op cannot change a value's "

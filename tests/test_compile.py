@@ -196,6 +196,12 @@ def test_closed_over_tensor_under_compile_is_a_clear_error():
     f = shmap.shard_map(lambda v: shmap.psum(v @ w, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
     with pytest.raises(Exception, match="closes over.*pass the tensor as an argument"):
         torch.compile(f, fullgraph=True)(torch.randn(8, 3))
+    # a module's parameter, the common case (it was "Please convert all Tensors to FakeTensors first")
+    lin = torch.nn.Linear(3, 4)
+    g = shmap.shard_map(lambda v: shmap.psum(lin(v).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="closes over.*pass the tensor as an argument"):
+        torch.compile(g, fullgraph=True)(torch.randn(8, 3))
 
 
 def test_a_compiled_body_is_refused_with_the_fix():
