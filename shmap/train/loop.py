@@ -31,6 +31,7 @@ import shmap
 from shmap import P
 
 from . import checkpoint, data as data_mod, model, optim
+from .stop import AgreedStop
 from .config import Config, ConfigError, parse_args
 
 
@@ -102,6 +103,9 @@ class Run:
         meta = checkpoint.check_compatible(cfg, path)
         params, opt = checkpoint.load(path, params, opt)
         log(f"resumed from {path} (step {meta['step']}, saved on mesh {meta['mesh']})")
+        changed = checkpoint.changed_settings(cfg, meta)
+        if changed:  # allowed (a new corpus, another precision, a longer warmup), but said
+            log(f"note: this run changes {changed}")
         return params, opt, meta["step"]
 
     # --- data ---------------------------------------------------------------------------------------
@@ -277,6 +281,7 @@ def train(cfg: Config, log=print) -> dict:
     last_saved = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     step = completed = start  # `completed`: the steps `params` / `opt` hold (what an interrupt saves)
     result = {}
+    stop = AgreedStop() if run.distributed else None  # (Ctrl-C under torchrun: see stop.py)
     try:
         t_prev = time.perf_counter()
         for step in range(start, cfg.steps):
@@ -303,6 +308,8 @@ def train(cfg: Config, log=print) -> dict:
                 writer.flush()  # never checkpoint a state whose loss was not finite
                 last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, done, params, opt)
                 t_prev = time.perf_counter()
+            if stop is not None and stop.after_step():  # every rank, after the same step
+                raise KeyboardInterrupt
         writer.flush()
         step = cfg.steps
         if cfg.checkpoint_dir and (last_saved is None or checkpoint.read_meta(last_saved)["step"] != cfg.steps):
@@ -310,6 +317,8 @@ def train(cfg: Config, log=print) -> dict:
         val = run.evaluate(params)
         writer.write({"step": cfg.steps, "val_loss": val})
         result["final_val_loss"] = val
+        if stop is not None and stop.close():
+            raise KeyboardInterrupt
     except NonFiniteLossError as e:
         if bar is not None:
             bar.close()
@@ -334,6 +343,8 @@ def train(cfg: Config, log=print) -> dict:
         raise
     finally:
         writer.close()
+        if stop is not None:
+            stop.close(exchange=False)  # (an error: the others may not get here)
     if bar is not None:
         bar.close()
     result.update(history=writer.history, params=params, opt=opt, run=run)
@@ -366,23 +377,41 @@ def _finish(cfg: Config, run: Run, params, result, out, main_rank, log):
 
 
 def _check_output_dirs(cfg: Config):
-    """--out and --checkpoint-dir must be (or become) directories, checked before any work."""
+    """--out and --checkpoint-dir must be (or become) writable directories, checked before any work; a new
+    run does not write over an earlier run's metrics (as it does not over its checkpoints)."""
+    import tempfile
+
     for flag, d in (("--out", cfg.out), ("--checkpoint-dir", cfg.checkpoint_dir)):
         if not d:
             continue
         try:
             Path(d).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=d):
+                pass
         except OSError as e:
-            raise ConfigError(f"{flag} {d}: cannot be made a directory ({e.strerror or e}). Fix: a writable "
-                              "directory path.") from None
+            raise ConfigError(f"{flag} {d}: cannot be made a writable directory ({e.strerror or e}). Fix: a "
+                              "writable directory path.") from None
+    metrics = Path(cfg.out) / "metrics.jsonl" if cfg.out else None
+    if metrics is not None and not cfg.resume and metrics.is_file() and metrics.stat().st_size:
+        raise ConfigError(f"--out {cfg.out} holds an earlier run's metrics.jsonl, which a new run would replace. "
+                          "Fix: another (or an emptied) --out, or --resume to continue that run.")
 
 
 def _keep_metrics_before(path: Path, start: int):
-    """Keep the lines of an earlier run's metrics up to the step this one starts from (none, fresh)."""
+    """Keep the lines of an earlier run's metrics before the step this one starts from (none, fresh): its
+    training lines before `start`, its validation lines up to it (the state after `start` steps, which the
+    resumed run does not evaluate again).  A partial last line (a crash mid-write) is dropped."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if start and line.strip() and json.loads(line).get("step", start) < start]
+    kept = []
+    for line in path.read_text().splitlines() if start else ():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        step = rec.get("step", start) if isinstance(rec, dict) else start
+        if step < start or ("val_loss" in rec and step == start):
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 

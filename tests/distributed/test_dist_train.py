@@ -97,3 +97,47 @@ def test_an_out_path_that_is_a_file_is_refused_on_every_rank(tmp_path):
     p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(f))
     assert p.returncode != 0 and f"--out {f}: cannot be made a directory" in p.stderr
     assert f.read_text() == ""  # nothing written over the user's file
+
+
+def test_ctrl_c_under_torchrun_saves_one_step_every_rank_agreed_on(tmp_path):
+    """torchrun passes Ctrl-C to every worker, each somewhere else (a step's collective, a save's barrier):
+    the ranks hung in the save until torchrun killed them, with nothing saved.  Now they stop after one
+    agreed step (train/stop.py), save it, and a resumed run continues with the uninterrupted run's losses."""
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shmap.train",
+           *TINY_FLAGS, "--sample-len", "0", "--mesh", "fsdp=2", "--steps", "100000", "--warmup", "100000",
+           "--out", str(out), "--checkpoint-dir", str(ck), "--checkpoint-every", "7"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and len(_train_losses_if_any(out / "metrics.jsonl")) < 12:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does: torchrun passes it on to its workers
+    try:
+        log, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("torchrun did not end within 60 s of Ctrl-C")
+    from shmap.train import checkpoint
+
+    last = checkpoint.latest(ck)
+    n = checkpoint.read_meta(last)["step"] if last else 0
+    # (saved now, or just before by the periodic save when the agreed step is a multiple of 7)
+    assert n >= 12 and "interrupted: " in log and f"after {n} steps" in log, log[-3000:]
+    q = _torchrun(2, "--mesh", "fsdp=2", "--steps", str(n + 2), "--warmup", "100000", "--out", str(out),
+                  "--checkpoint-dir", str(ck), "--resume")
+    assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
+    full = loop.train(tiny("fsdp=2", steps=n + 2, warmup=100000), log=lambda *a, **k: None)
+    want = {r["step"]: r["train_loss"] for r in full["history"] if "train_loss" in r}
+    got = _train_losses(out / "metrics.jsonl")
+    assert [got[k] for k in range(n, n + 2)] == pytest.approx([want[k] for k in range(n, n + 2)], rel=1e-12)
+
+
+def _train_losses_if_any(path):
+    try:
+        return _train_losses(path)
+    except (OSError, ValueError):
+        return {}

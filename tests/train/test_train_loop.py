@@ -171,7 +171,8 @@ def test_ctrl_c_while_plotting_says_what_is_kept(tmp_path, monkeypatch):
 def test_sigterm_is_met_as_ctrl_c(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     _interrupt_at(monkeypatch, loop.Run, "step", 4, loop.Terminated)
-    code = loop.main([*TINY_FLAGS, "--mesh", "data=2", "--steps", "6", "--checkpoint-dir", str(ck)])
+    code = loop.main([*TINY_FLAGS, "--mesh", "data=2", "--steps", "6", "--checkpoint-dir", str(ck),
+                      "--out", str(tmp_path / "out")])
     assert code == 143 and checkpoint.read_meta(checkpoint.latest(ck))["step"] == 3
 
 
@@ -192,8 +193,45 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_bad_output_paths(tmp_pat
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for flag, kw in (("--out", dict(out=str(a_file))), ("--checkpoint-dir", dict(checkpoint_dir=str(a_file)))):
-        with pytest.raises(ConfigError, match=f"{flag} {a_file}: cannot be made a directory"):
+        with pytest.raises(ConfigError, match=f"{flag} {a_file}: cannot be made a writable directory"):
             loop.train(tiny("none", steps=2, **kw), **QUIET)
+
+
+def test_output_dirs_must_be_writable_and_a_new_run_keeps_an_earlier_runs_metrics(tmp_path):
+    """An existing read-only --checkpoint-dir trained, then crashed at the first save; a new run into an --out
+    holding metrics replaced them silently."""
+    with pytest.raises(ConfigError, match=r"--checkpoint-dir /sys/kernel: cannot be made a writable directory"):
+        loop.train(tiny("none", steps=2, checkpoint_dir="/sys/kernel"), **QUIET)
+    out = tmp_path / "o"
+    loop.train(tiny("none", steps=2, out=str(out)), **QUIET)
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"--out .* holds an earlier run's metrics.jsonl.*Fix: another"):
+        loop.train(tiny("none", steps=3, out=str(out)), **QUIET)
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_a_resumed_runs_metrics_equal_the_uninterrupted_runs(tmp_path):
+    """The validation line of the step a run resumes from was dropped (it evaluates the state the resumed
+    run starts from); a partial last line (a crash mid-write) stopped the resume with a JSONDecodeError."""
+    ck, out, ref = tmp_path / "ck", tmp_path / "o", tmp_path / "ref"
+    loop.train(tiny("none", steps=3, checkpoint_dir=str(ck), out=str(out), eval_every=3), **QUIET)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "train_lo')  # a crash mid-write
+    said = []
+    loop.train(tiny("none", steps=6, checkpoint_dir=str(ck), out=str(out), eval_every=3, resume=True,
+                    dtype="float32", lr=2e-3), log=said.append)
+    loop.train(tiny("none", steps=6, out=str(ref), eval_every=3, dtype="float32", lr=2e-3), **QUIET)
+
+    def lines(d):
+        return [{k: v for k, v in json.loads(t).items() if k != "tokens_per_s"}
+                for t in (d / "metrics.jsonl").read_text().splitlines()]
+
+    got, want = lines(out), lines(ref)
+    assert [r["step"] for r in got if "val_loss" in r] == [3, 6] == [r["step"] for r in want if "val_loss" in r]
+    assert [r["step"] for r in got if "train_loss" in r] == list(range(6))
+    # (resuming a float64 state in float32 is allowed, and said)
+    assert any("note: this run changes --dtype float32 (the checkpoint's run: float64), --lr 0.002 (the "
+               "checkpoint's run: 0.003)" in line for line in said), said
 
 
 def test_a_resumed_runs_metrics_continue_without_repeats(tmp_path, monkeypatch):
