@@ -42,9 +42,13 @@ def load_corpus(path: str | None = None) -> torch.Tensor:
     else:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"--data {path}: no such file. Fix: pass the path of a text file, or leave --data "
+            what = "a directory" if p.is_dir() else "not a regular file" if p.exists() else "no such file"
+            raise ConfigError(f"--data {path}: {what}. Fix: pass the path of a text file, or leave --data "
                               "out to train on the default Shakespeare corpus.")
-        raw = p.read_bytes()
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"--data {path}: cannot be read ({e.strerror or e}). Fix: a readable text file.") from None
         if not raw:
             raise ConfigError(f"--data {path}: the file is empty. Fix: pass a text file with some content.")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
