@@ -390,7 +390,7 @@ def _capture_inference(flat_fn, tensors, backend, name):
 
     gm = make_fx(flat_fn, tracing_mode="fake")(*tensors)
     _check_graph(gm, name)
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    ptrs = [(t.untyped_storage().data_ptr() if t.layout is torch.strided else 0) or id(t) for t in tensors]
     if backend == "eager" or len(set(ptrs)) < len(ptrs):  # (Inductor's inner compile takes distinct inputs)
         return _boxed(gm.forward)
     fx_forward = gm.forward

@@ -53,11 +53,11 @@ class PartitionSpec:
         trimmed = list(self._entries)
         while trimmed and trimmed[-1] is None:
             trimmed.pop()
-        #: mesh axes along which the value is a pending sum (JAX's `unreduced`)
         if not (isinstance(unreduced, str) or (isinstance(unreduced, (set, frozenset, tuple, list))
                                                 and all(isinstance(a, str) for a in unreduced))):
             raise TypeError(f"P: unreduced must be an axis name or a set of names, got {unreduced!r}. "
                             "Fix: e.g. P('i', unreduced={'j'}), or leave it out.")
+        #: mesh axes along which the value is a pending sum (JAX's `unreduced`)
         self.unreduced = frozenset({unreduced} if isinstance(unreduced, str) else unreduced)
         self._trimmed = tuple(trimmed)  # equality ignores trailing Nones
         self._hash = hash((self._trimmed, self.unreduced))

@@ -178,7 +178,8 @@ def _promoted(func, args, kwargs, leaves, tensor_idx):
     """The dtype an elementwise op promotes its floating operands to, where they differ; else None.
     (`leaves` may hold physical tensors already, of the same dtypes; the rule reads the logical
     operands, since a 0-d one promotes differently, so it flattens `args` again: rare.)"""
-    if len({leaves[k].dtype for k in tensor_idx}) < 2 or getattr(func, "__name__", "") not in batching.POINTWISE:
+    dtypes = {(leaves[k]._phys if type(leaves[k]) is ShTensor else leaves[k]).dtype for k in tensor_idx}
+    if len(dtypes) < 2 or getattr(func, "__name__", "") not in batching.POINTWISE:
         return None
     from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
