@@ -245,8 +245,8 @@ class _Run:
                 lines.append(f"  device {d.device}: finished the kernel")
             elif d.polling is not None:
                 sem, site = d.polling
-                lines.append(f"  device {d.device}: polls semaphore_read of {sem.describe()} in a loop at {site}, "
-                             f"which returns {d.sem(sem.info, sem.element('semaphore_read')[1]).value}")
+                lines.append(f"  device {d.device}: polls semaphore_read of {sem.describe()} in a loop at "
+                             f"{site or '?'}, which returns {d.sem(sem.info, sem.element('semaphore_read')[1]).value}")
             elif d.waiting is None:
                 lines.append(f"  device {d.device}: running")
             else:

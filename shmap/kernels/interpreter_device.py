@@ -208,7 +208,7 @@ class _Device(DeviceContext):
         deadlock it is, once it has gone on for far longer than any schedule runs a device alone."""
         run = self.run
         run.polls += 1
-        self.polling = (sem, capture_site())
+        self.polling = (sem, capture_site() if run.polls > POLL_LIMIT - 1000 else None)  # (the site: for the error)
         if run.polls > POLL_LIMIT:
             raise run.livelock()
         self._yield(poll=True)
