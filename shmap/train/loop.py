@@ -262,6 +262,7 @@ def train(cfg: Config, log=print) -> dict:
     main_rank = _rank() == 0
     log = log if main_rank else (lambda *a, **k: None)
     run = Run(cfg)
+    stop = AgreedStop() if run.distributed else None  # (Ctrl-C under torchrun: see stop.py)
     n_params = model.count_params(model.init_params(cfg)) if main_rank else 0
     log(f"shmap-train: {n_params / 1e6:.2f}M parameters, mesh {cfg.describe_mesh()}"
         f"{' (' + str(run.mesh) + ')' if run.mesh is not None else ' (plain PyTorch)'}, "
@@ -281,7 +282,8 @@ def train(cfg: Config, log=print) -> dict:
     last_saved = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     step = completed = start  # `completed`: the steps `params` / `opt` hold (what an interrupt saves)
     result = {}
-    stop = AgreedStop() if run.distributed else None  # (Ctrl-C under torchrun: see stop.py)
+    if stop is not None:
+        stop.start()
     try:
         t_prev = time.perf_counter()
         for step in range(start, cfg.steps):

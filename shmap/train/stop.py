@@ -25,9 +25,14 @@ class AgreedStop:
     """SIGINT sets a flag; `after_step()` is True on every rank at the same step once any rank's was set."""
 
     def __init__(self):
+        # (collective: built where every rank is in step, right after the mesh; `start` installs the handler)
+        self.group = dist.new_group(backend="gloo", timeout=TIMEOUT)
         self.requested = False
-        self.group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # (collective: every rank builds it here)
         self.pending = None
+        self.closed = True
+        self.previous = None
+
+    def start(self):
         self.closed = False
         self.previous = signal.signal(signal.SIGINT, self._on_sigint)
 
