@@ -141,6 +141,17 @@ def op_name(func) -> str:
     return name
 
 
+def storage_layout(what: str) -> NotImplementedError:
+    """An op that reads or rewrites a body value's storage layout (`what`, e.g. "`resize_`"), refused on
+    both meshes (special.py; `set_` in `ShTensor.__torch_dispatch__`)."""
+    return NotImplementedError(
+        f"{what} on a shard_map body value: its storage is laid out by the mesh (every device's block in one "
+        "tensor on the simulated mesh, a view into the global tensor on a process), so the result would differ "
+        "between the meshes. Fix: build the value you need with out-of-place ops (reshape, view, narrow, "
+        "torch.cat, new_zeros), or as_strided without a storage_offset."
+    )
+
+
 def as_tensor_arg(api: str, what: str, x):
     """`torch.as_tensor(x)` for an argument that may be a number or array-like, or a TypeError naming
     `api` and the argument (torch's own names neither: "Could not infer dtype of NoneType")."""

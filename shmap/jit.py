@@ -90,6 +90,7 @@ import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
 
 from . import comm, context, ops, small_matmul
+from .tensor import storage_key
 
 __all__ = ["jit", "Jitted", "JitError"]
 
@@ -305,8 +306,8 @@ def _inline(args, kwargs) -> bool:
 def _leaf_key(x, first, storages, k):
     if isinstance(x, _Tensor):  # `first`: the first position of this object (the same tensor twice), and of its
         # storage (views of one tensor: a program that writes one of them reads the other as written)
-        ptr = x.untyped_storage().data_ptr() if x.layout is torch.strided else None
-        shared = storages.setdefault(ptr, k) if ptr else k
+        ptr = storage_key(x)
+        shared = k if ptr is None else storages.setdefault(ptr, k)
         return (first, shared, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_conj(), x.is_neg())
     if type(x) is float or type(x) is complex:  # by its bits: 0.0 == -0.0 but 1 / x differs; nan != nan
         return (type(x), x.hex() if type(x) is float else (x.real.hex(), x.imag.hex()))
@@ -390,7 +391,7 @@ def _capture_inference(flat_fn, tensors, backend, name):
 
     gm = make_fx(flat_fn, tracing_mode="fake")(*tensors)
     _check_graph(gm, name)
-    ptrs = [(t.untyped_storage().data_ptr() if t.layout is torch.strided else 0) or id(t) for t in tensors]
+    ptrs = [storage_key(t) or id(t) for t in tensors]
     if backend == "eager" or len(set(ptrs)) < len(ptrs):  # (Inductor's inner compile takes distinct inputs)
         return _boxed(gm.forward)
     fx_forward = gm.forward

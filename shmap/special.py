@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from .errors import VmaError, fmt_vma, varying_control_flow
+from .errors import VmaError, fmt_vma, storage_layout, varying_control_flow
 from .tensor import _SPECIAL, ShTensor, expand_to, typed_call
 
 
@@ -249,12 +249,7 @@ def _storage_op(what):
     def refuse(func, args, kwargs):
         if func in (_T.as_strided, torch.as_strided) and len(args) < 4 and kwargs.get("storage_offset") is None:
             return typed_call(func, args, kwargs)  # (relative to the value itself: the same on both meshes)
-        raise NotImplementedError(
-            f"{what} on a shard_map body value: its storage is laid out by the mesh (every device's block in "
-            "one tensor on the simulated mesh, a view into the global tensor on a process), so the result would "
-            "differ between the meshes. Fix: build the value you need with out-of-place ops (reshape, view, "
-            "narrow, torch.cat, new_zeros), or as_strided without a storage_offset."
-        )
+        raise storage_layout(what)
     return refuse
 
 

@@ -38,7 +38,7 @@ import optree
 import torch
 
 from . import batching, context, unreduced
-from .errors import VmaError, fmt_vma, inplace_input, op_name
+from .errors import VmaError, fmt_vma, inplace_input, op_name, storage_layout
 
 
 # --------------------------------------------------------------------------
@@ -86,11 +86,7 @@ class ShTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.aten.set_:  # (Tensor.set_ skips __torch_function__)
-            raise NotImplementedError(
-                "`set_` on a shard_map body value: its storage is laid out by the mesh (every device's block in "
-                "one tensor on the simulated mesh, a view into the global tensor on a process). Fix: build the "
-                "value you need with out-of-place ops (torch.cat, new_zeros), and use it instead."
-            )
+            raise storage_layout("`set_`")
         raise RuntimeError(
             f"shmap internal error: {func} reached a body value below autograd; "
             "please report this with the code that triggered it."

@@ -22,7 +22,7 @@ import math
 import torch
 
 from .. import comm, context
-from ..errors import VmaError
+from ..errors import VmaError, as_tensor_arg
 from ..recording import event
 from ..tensor import ShTensor, expand_to, lift
 
@@ -51,7 +51,8 @@ def call(fn, *xs, axis_name: str, out: str = "varying", transpose=None, name: st
             "a capture on fake tensors (shmap.jit) cannot run. Fix: call the shard_mapped function without "
             "shmap.jit (torch.compile runs it outside its graph), or use shmap's collectives there."
         )
-    vals = [x if isinstance(x, ShTensor) else ShTensor(torch.as_tensor(x), (), frozenset(), body) for x in xs]
+    vals = [x if isinstance(x, ShTensor) else ShTensor(as_tensor_arg(api, "an operand", x), (), frozenset(), body)
+            for x in xs]
     for v in vals:
         if v._unreduced:
             raise VmaError(f"{api}: an operand is unreduced (a pending sum). Fix: psum it first.")
