@@ -50,7 +50,6 @@ def test_receive_without_sender_is_a_deadlock():
 
 def test_a_loop_polling_a_semaphore_nobody_signals_is_a_deadlock():
     """Every device polls `recv` after the others finished or while all poll: it ran forever."""
-    start = time.monotonic()
     for seed in (0, 1, 2):
         with pytest.raises(K.DeadlockError) as info:
             run_permute_case(cases.polls_forever, seed=seed)
@@ -59,7 +58,6 @@ def test_a_loop_polling_a_semaphore_nobody_signals_is_a_deadlock():
         assert "polls semaphore_read of 'recv' in a loop" in msg and "which returns 0" in msg, msg
         assert "while K.semaphore_read(recv) == 0" in msg and "semaphore_wait" in msg, msg
         assert f"seed={seed}" in msg
-    assert time.monotonic() - start < 30
     # A poll that another device ends (it signals after its own work) still runs to the end.
     outs = K.interpret(cases.poll_until_signalled, blocks(2), K.Buffer((4,)), scratch=[REGULAR], explore=6)
     assert [o.tolist() for o in outs] == [[1.0] * 4, [1.0] * 4]
