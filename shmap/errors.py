@@ -152,6 +152,24 @@ def storage_layout(what: str) -> NotImplementedError:
     )
 
 
+_BN_STATS = "BatchNorm's running statistics in training mode"
+
+
+def shared_write(op: str, shape, mesh: str, what: str = "", fix: str = "") -> VmaError:
+    """An op that writes a tensor every device shares (closed over, or invariant) from values that vary
+    across the devices: each device would write its own, the simulated mesh one copy for all and each
+    process its own.  Refused on both meshes (special.py before the op; per_device.py after a write
+    it then undoes)."""
+    return VmaError(
+        f"{op}: updates a tensor of shape {tuple(shape)} that is the same on every device (closed over, or "
+        f"invariant: e.g. {what or _BN_STATS}) from values that vary "
+        f"across the devices (mesh {mesh}): each device would write its own. Fix: "
+        + (fix or "keep such state per device (pass it in with a sharded spec, write a copy made in the body, "
+           "`s = s.clone()`, and return it), reduce the statistics first (shmap.pmean), or run the module in eval "
+           "mode.")
+    )
+
+
 def as_tensor_arg(api: str, what: str, x):
     """`torch.as_tensor(x)` for an argument that may be a number or array-like, or a TypeError naming
     `api` and the argument (torch's own names neither: "Could not infer dtype of NoneType")."""

@@ -18,7 +18,7 @@ import itertools
 import optree
 import torch
 
-from .errors import VmaError, op_name
+from .errors import VmaError, op_name, shared_write
 
 #: what vmap says when it cannot batch an op (an in-place op retried only then: it failed before writing)
 _VMAP_REFUSALS = ("vmap", "Batching rule", "batched", "Batched", "batching")
@@ -98,13 +98,7 @@ def _check_shared(func, shared, body):
     with torch.no_grad():
         for t, before in changed:
             t.copy_(before)  # (as they were: the call fails)
-    raise VmaError(
-        f"{op_name(func)}: updates a tensor of shape {tuple(changed[0][0].shape)} that is the same on every device "
-        "(closed over, or invariant: e.g. BatchNorm's running statistics in training mode) from values that vary "
-        f"across the devices (mesh {body.describe()}): each device would write its own. Fix: keep such state per "
-        "device (an argument with a sharded spec, returned updated), reduce the statistics first (shmap.pmean), "
-        "or run the module in eval mode."
-    )
+    raise shared_write(op_name(func), changed[0][0].shape, body.describe())
 
 
 def _same(a, b) -> bool:

@@ -14,8 +14,8 @@ import itertools
 
 import torch
 
-from .errors import VmaError, fmt_vma, storage_layout, varying_control_flow
-from .tensor import _SPECIAL, ShTensor, expand_to, typed_call
+from .errors import VmaError, fmt_vma, op_name, shared_write, storage_layout, varying_control_flow
+from .tensor import _SPECIAL, ShTensor, _check_not_argument, expand_to, typed_call, vma
 
 
 def _metadata(func, args, kwargs):
@@ -262,3 +262,44 @@ for _m, _what in ((_T.__bool__, "Python control flow (`if`/`while`/`bool()`) on 
                   (_T.__int__, "`int()`"), (_T.__float__, "`float()`"), (_T.__index__, "use as an index"),
                   (_T.__complex__, "`complex()`"), (_T.__array__, "conversion to a NumPy array")):
     _SPECIAL[_m] = _concrete(_what)
+
+
+def _writes_shared(written, flag, default, what, fix=""):
+    """Functions that write some of their tensor arguments as a side effect (`written`: their positions and
+    names), when `flag` (position, name) is set: BatchNorm's running statistics in training mode, an
+    embedding's rows renormalised by `max_norm`.  Written from values that vary across the devices, a tensor
+    every device shares (closed over, or invariant) would be written by each device differently: one copy for
+    all on the simulated mesh, one per process on a distributed one.  Refused on both meshes, before the op
+    writes anything.  (A varying target made in the body is each device's own; an argument is read-only, as for any
+    in-place op.)"""
+    def check(func, args, kwargs):
+        on = args[flag[0]] if len(args) > flag[0] else kwargs.get(flag[1], default)
+        if on is not None and on is not False:
+            targets = [args[i] if len(args) > i else kwargs.get(n) for i, n in written]
+            union, body = frozenset(), None
+            for a in itertools.chain(args, kwargs.values()):
+                if isinstance(a, ShTensor) and not any(a is t for t in targets):
+                    union, body = union | vma(a), body or a._body
+            for t in targets:
+                if isinstance(t, torch.Tensor) and union and not (isinstance(t, ShTensor) and union <= vma(t)):
+                    raise shared_write(op_name(func), t.shape, body.describe(), what, fix)
+                if isinstance(t, ShTensor):  # (an argument is read-only, as for any in-place op)
+                    _check_not_argument(func, t)
+        return typed_call(func, args, kwargs)
+    return check
+
+
+_F = torch.nn.functional
+for _m, _written, _flag, _default, _what, *_fix in (
+        (_F.batch_norm, ((1, "running_mean"), (2, "running_var")), (5, "training"), False, ""),
+        (torch.batch_norm, ((3, "running_mean"), (4, "running_var")), (5, "training"), False, ""),
+        (torch.native_batch_norm, ((3, "running_mean"), (4, "running_var")), (5, "training"), False, ""),
+        (_F.instance_norm, ((1, "running_mean"), (2, "running_var")), (5, "use_input_stats"), True,
+         "InstanceNorm's running statistics with track_running_stats"),
+        (torch.instance_norm, ((3, "running_mean"), (4, "running_var")), (5, "use_input_stats"), True,
+         "InstanceNorm's running statistics with track_running_stats"),
+        (_F.embedding, ((1, "weight"),), (3, "max_norm"), None, "an nn.Embedding's weight, whose rows max_norm "
+         "renormalises in place", "renormalise the weight before the shard_map (torch.embedding_renorm_ with the "
+         "indices of every device) and drop max_norm, or renormalise a weight of each device's own (varying, made in "
+         "the body).")):
+    _SPECIAL[_m] = _writes_shared(_written, _flag, _default, _what, *_fix)

@@ -88,3 +88,52 @@ def test_an_error_is_the_devices_own_with_per_device_shapes():
     with pytest.raises(RuntimeError, match=r"shape '\[5, 3\]' is invalid for input of size 12") as info:
         shmap.shard_map(lambda v: (v * 1).reshape(5, 3), mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
     assert "on device (i=0) of mesh (i=4), run device by device" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_embedding_max_norm_and_instance_norm_statistics_are_refused_before_writing():
+    """`max_norm` renormalises the closed-over weight's rows in place from each device's indices; it gave
+    torch's view+inplace error after writing the weight.  Refused before the op (special.py), weight intact;
+    with a varying weight (each device's own) it runs."""
+    emb = torch.nn.Embedding(10, 4, max_norm=1.0)
+    w0 = emb.weight.detach().clone()
+    idx = torch.arange(8).reshape(4, 2)
+    with pytest.raises(shmap.VmaError, match=r"embedding: updates a tensor of shape \(10, 4\) that is the same on "
+                                             r"every device .*max_norm.* Fix: renormalise the weight before"):
+        shmap.shard_map(lambda v: emb(v), mesh=MESH, in_specs=P("i"), out_specs=P("i"))(idx)
+    assert torch.equal(emb.weight.detach(), w0)
+    inorm = torch.nn.InstanceNorm1d(3, track_running_stats=True)
+    with pytest.raises(shmap.VmaError, match=r"instance_norm: updates a tensor of shape \(3,\)"):
+        shmap.shard_map(lambda v: inorm(v), mesh=MESH, in_specs=P("i"), out_specs=P("i"))(torch.randn(8, 3, 5))
+    assert torch.equal(inorm.running_mean, torch.zeros(3))
+    # A weight of each device's own (varying, made in the body): renormalised per device, as on a process.
+    w = torch.randn(4 * 10, 4) * 3
+    f = shmap.shard_map(lambda v, ww: torch.nn.functional.embedding(v, ww * 1, max_norm=1.0),
+                        mesh=MESH, in_specs=(P("i"), P("i")), out_specs=P("i"))
+    ref = torch.cat([torch.nn.functional.embedding(idx[d:d + 1], w[10 * d:10 * d + 10].clone(), max_norm=1.0)
+                     for d in range(4)])
+    torch.testing.assert_close(f(idx, w), ref)
+
+
+def test_running_statistics_of_each_device_own_as_the_message_says():
+    """The fix the message gives: statistics passed in with a sharded spec are read-only (an argument), a
+    copy made in the body is each device's own and comes back updated."""
+    x = torch.randn(16, 3)
+    rm, rv = torch.zeros(4 * 3), torch.ones(4 * 3)
+
+    def in_place_on_argument(v, m, s):
+        return torch.nn.functional.batch_norm(v, m, s, training=True)
+
+    with pytest.raises(shmap.InPlaceInputError):
+        shmap.shard_map(in_place_on_argument, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x, rm, rv)
+    assert torch.equal(rm, torch.zeros(12))
+
+    def own_copy(v, m, s):
+        m, s = m.clone(), s.clone()
+        return torch.nn.functional.batch_norm(v, m, s, training=True), m, s
+
+    out, m, s = shmap.shard_map(own_copy, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x, rm, rv)
+    for d in range(4):
+        bm, bs = torch.zeros(3), torch.ones(3)
+        torch.testing.assert_close(out[4 * d:4 * d + 4],
+                                   torch.nn.functional.batch_norm(x[4 * d:4 * d + 4], bm, bs, training=True))
+        torch.testing.assert_close((m[3 * d:3 * d + 3], s[3 * d:3 * d + 3]), (bm, bs))

@@ -392,3 +392,53 @@ def reentrant_checkpoint():
             (y.to_local() if m.is_distributed else y).sum().backward()
         out.append((x.grad, [(e.kind, e.shape) for e in log.events]))
     return torch.allclose(out[0][0], out[1][0], rtol=1e-12, atol=1e-14), out[0][1], out[1][1]
+
+
+def _shared_state_cases():
+    """name -> (module, input, spec): modules whose forward writes a tensor every device shares."""
+    torch.manual_seed(0)
+    return {
+        "BatchNorm1d in training mode": (torch.nn.BatchNorm1d(3), torch.randn(8, 3)),
+        "InstanceNorm1d(track_running_stats)": (torch.nn.InstanceNorm1d(3, track_running_stats=True),
+                                                torch.randn(8, 3, 5)),
+        "Embedding(max_norm)": (torch.nn.Embedding(10, 4, max_norm=1.0), torch.arange(8).reshape(4, 2) % 10),
+    }
+
+
+def shared_state_writes():
+    """Each module of `_shared_state_cases` called on sharded data, on the distributed and a simulated
+    mesh -> {name: (distributed outcome, simulated outcome, every float state tensor unchanged on both)}.
+    Each process wrote its own copy before (the simulated mesh refused): both refuse now, before writing."""
+    world = torch.distributed.get_world_size()
+    out = {}
+    for name in _shared_state_cases():
+        got, unchanged = [], True
+        for m in (shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)):
+            module, x = _shared_state_cases()[name]
+            before = {k: v.clone() for k, v in module.state_dict().items() if v.is_floating_point()}
+            try:
+                shmap.shard_map(lambda v: module(v), mesh=m, in_specs=P("i"), out_specs=P("i"))(x)
+                got.append("ran")
+            except shmap.VmaError as e:
+                got.append(str(e))
+            unchanged &= all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+        out[name] = (got[0], got[1], unchanged)
+    return out
+
+
+def own_running_statistics():
+    """Training-mode batch_norm on statistics of each device's own (a copy made in the body, returned) on the
+    distributed and a simulated mesh -> (outputs equal, statistics equal)."""
+    world = torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    x, rm, rv = torch.randn(4 * world, 3), torch.zeros(3 * world), torch.ones(3 * world)
+
+    def own_copy(v, m, s):
+        m, s = m.clone(), s.clone()
+        return torch.nn.functional.batch_norm(v, m, s, training=True), m, s
+
+    got = []
+    for m in (shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)):
+        outs = shmap.shard_map(own_copy, mesh=m, in_specs=P("i"), out_specs=P("i"))(x, rm, rv)
+        got.append([o.full_tensor() if m.is_distributed else o for o in outs])
+    return torch.equal(got[0][0], got[1][0]), all(torch.equal(a, b) for a, b in zip(got[0][1:], got[1][1:]))

@@ -49,3 +49,17 @@ def test_reentrant_checkpoint_matches_simulated():
     for same, dist_log, sim_log in shmap.spawn(dist_interop.reentrant_checkpoint, nprocs=2, timeout=90):
         assert same
         assert dist_log == sim_log and [k for k, _ in dist_log] == ["psum", "psum", "psum"], dist_log
+
+
+def test_writing_shared_state_from_varying_values_is_refused_on_both_meshes():
+    """Training-mode BatchNorm, InstanceNorm with running statistics, Embedding(max_norm): each process
+    wrote its own copy of the module's state (the simulated mesh refused); both now refuse, naming the
+    op, the tensor's shape and the fix, before writing anything."""
+    results = shmap.spawn(dist_interop.shared_state_writes, nprocs=2, timeout=90)
+    assert results[0] == results[1]
+    for name, (dist, sim, unchanged) in results[0].items():
+        assert dist == sim, (name, dist, sim)
+        assert "that is the same on every device" in dist and "Fix: " in dist, (name, dist)
+        assert unchanged, name
+    # The fix it names: statistics of each device's own, a copy made in the body, returned.
+    assert shmap.spawn(dist_interop.own_running_statistics, nprocs=2, timeout=90) == [(True, True)] * 2
