@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 #: Mesh axes the recipe knows, in mesh order: what each does is decided in model.Layout.
@@ -127,6 +128,12 @@ def validate(cfg: Config) -> Config:
     need(cfg.dtype in DTYPES, f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}.")
     need(cfg.block in BLOCKS, f"--block {cfg.block}: choose one of {', '.join(BLOCKS)}.")
     need(math.isfinite(cfg.lr) and cfg.lr > 0, f"--lr {cfg.lr}: must be a finite number > 0.")
+    biggest = 1.7976931348623157e308 if cfg.dtype == "float64" else 3.4028234663852886e38  # (the parameters' dtype)
+    step = cfg.lr / (1 - cfg.beta1)
+    need(step <= biggest,
+         f"--lr {cfg.lr}: Adam's first step moves each parameter by up to lr / (1 - beta1) = {step:.3g}, more than "
+         f"the largest {'float64' if cfg.dtype == 'float64' else 'float32'} ({biggest:.3g}; the parameters are "
+         f"{'float64' if cfg.dtype == 'float64' else 'float32'}). Fix: a learning rate such as {Config.lr}.")
     need(math.isfinite(cfg.clip) and cfg.clip >= 0,
          f"--clip {cfg.clip}: must be a finite number >= 0 (0 turns clipping off). Fix: e.g. --clip 1.0.")
     need(cfg.warmup >= 0, f"--warmup {cfg.warmup}: must be >= 0.")
@@ -170,10 +177,20 @@ def _divisor(n, near):
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but under torchrun only rank 0 prints a bad command line's usage and error: every rank
+    parses the same command line and meets the same error (the others exit with the same status)."""
+
+    def error(self, message):
+        if int(os.environ.get("RANK", "0")) > 0:
+            self.exit(2)
+        super().error(message)
+
+
 def parse_args(argv=None) -> Config:
     """The `shmap-train` command line -> a validated Config."""
     d = Config()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="shmap-train",
         description="Train a byte-level Transformer decoder with shmap; the mesh alone chooses the parallelism "
                     "(data: DP, fsdp: FSDP, tensor: TP, any mix). Simulated in one process unless launched with "

@@ -393,6 +393,11 @@ def _check_output_dirs(cfg: Config):
         except OSError as e:
             raise ConfigError(f"{flag} {d}: cannot be made a writable directory ({e.strerror or e}). Fix: a "
                               "writable directory path.") from None
+    for name in ("metrics.jsonl", "loss.png", "sample.txt") if cfg.out else ():  # (what rank 0 writes there)
+        path = Path(cfg.out) / name
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"--out {cfg.out}: {path} is a directory (or not a regular file), and the run writes "
+                              f"its {name} there. Fix: move it away, or another --out.")
     metrics = Path(cfg.out) / "metrics.jsonl" if cfg.out else None
     if metrics is not None and not cfg.resume and metrics.is_file() and metrics.stat().st_size:
         raise ConfigError(f"--out {cfg.out} holds an earlier run's metrics.jsonl, which a new run would replace. "
@@ -467,6 +472,30 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+def _say_error(e: Exception):
+    """Print a run's error once: under torchrun every rank meets it alike (the same flags, files and losses),
+    so rank 0 prints it, and another rank only an error of its own (one rank 0 did not post within 5 s)."""
+    msg = f"shmap-train: error: {e}"
+    if not dist.is_initialized():  # (before the world: the flags and the world size, the same on every rank)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(msg, file=sys.stderr)
+        return
+    from datetime import timedelta
+
+    rank, key = dist.get_rank(), "shmap-train/error"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set(key, msg)
+        else:
+            store.wait([key], timedelta(seconds=5))
+            if store.get(key).decode() == msg:
+                return
+    except Exception:  # noqa: BLE001 - rank 0 failed otherwise (or not), or the store is gone: say it here
+        pass
+    print(msg if rank == 0 else f"shmap-train (rank {rank}): error: {e}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     keep_freed_memory()
@@ -479,7 +508,7 @@ def main(argv=None) -> int:
         _init_distributed(cfg)
         train(cfg)
     except (ConfigError, NonFiniteLossError) as e:  # every rank meets these alike
-        print(f"shmap-train: error: {e}", file=sys.stderr)
+        _say_error(e)
         code = 1 if isinstance(e, NonFiniteLossError) else 2
     except KeyboardInterrupt as e:  # (torchrun passes Ctrl-C to every rank)
         code = 143 if isinstance(e, Terminated) else 130

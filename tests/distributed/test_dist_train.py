@@ -20,10 +20,10 @@ from shmap.train import loop  # noqa: E402
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 
-def _torchrun(nproc, *args, timeout=240):
+def _torchrun(nproc, *args, timeout=240, program=("-m", "shmap.train")):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "shmap.train", *TINY_FLAGS, "--sample-len", "0", *args]
+           *program, *TINY_FLAGS, "--sample-len", "0", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -73,22 +73,33 @@ def test_a_torchrun_checkpoint_resumes_on_another_mesh_simulated_and_distributed
 def test_a_world_of_the_wrong_size_is_refused_naming_the_flag():
     p = _torchrun(2, "--mesh", "data=4", "--steps", "1", "--out", "")
     assert p.returncode != 0
-    assert "--mesh data=4 has 4 devices but torchrun started 2 processes" in p.stderr
+    assert p.stderr.count("--mesh data=4 has 4 devices but torchrun started 2 processes") == 1  # (rank 0 says it)
 
 
 def test_a_failure_on_one_rank_is_torchruns_root_cause(tmp_path):
-    """Rank 0 alone writes --out's metrics, so a `metrics.jsonl` there that is a directory fails on that
-    rank only, after make_mesh.  That rank must leave first, with its own status (it was SIGTERMed by
-    torchrun after the other rank when `main` destroyed the process groups on the way out, skipping the
-    exit protocol), so that torchrun's root cause is its error.  (torchrun then stops the other rank,
-    which, when it gets to say anything first, names rank 0's error.)"""
-    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)
-    p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(tmp_path / "out"))
+    """Rank 0 alone writes --out's metrics; here that write fails mid-run on rank 0 only (an OSError, as a
+    full disk gives).  That rank must leave first, with its own status (it was SIGTERMed by torchrun after
+    the other rank when `main` destroyed the process groups on the way out, skipping the exit protocol),
+    so that torchrun's root cause is its error.  (torchrun then stops the other rank, which, when it gets
+    to say anything first, names rank 0's error.)"""
+    p = _torchrun(2, "--mesh", "data=2", "--steps", "3", "--out", str(tmp_path / "out"),
+                  program=[str(Path(__file__).with_name("train_fail_rank0.py"))])
     assert p.returncode != 0
     root = p.stderr[p.stderr.index("Root Cause"):]
-    assert "rank      : 0 " in root and "exitcode  : 1 " in root and "IsADirectoryError" in root, root
+    assert "rank      : 0 " in root and "exitcode  : 1 " in root and "No space left on device" in root, root
     if "RankFailedError" in p.stderr:
-        assert "rank 0: IsADirectoryError" in p.stderr, p.stderr[-3000:]
+        assert "rank 0: OSError" in p.stderr, p.stderr[-3000:]
+
+
+def test_output_files_that_are_directories_are_refused_before_training(tmp_path):
+    """metrics.jsonl, loss.png or sample.txt made directories: a ConfigError naming it, from rank 0 only
+    (every rank meets it; the others stay quiet), before any step (it was a raw IsADirectoryError)."""
+    (tmp_path / "out" / "loss.png").mkdir(parents=True)
+    p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(tmp_path / "out"))
+    assert p.returncode != 0
+    assert p.stderr.count("shmap-train: error: --out") == 1, p.stderr[-3000:]
+    assert "loss.png is a directory (or not a regular file)" in p.stderr
+    assert "(rank 1)" not in p.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_an_out_path_that_is_a_file_is_refused_on_every_rank(tmp_path):

@@ -70,7 +70,24 @@ def test_the_command_line_maps_onto_the_config():
     (dict(eval_batches=0), "--eval-batches 0: must be >= 1"),
     (dict(sample_len=-5), "--sample-len -5: must be >= 0"),
     (dict(checkpoint_every=2), "--checkpoint-every 2 needs --checkpoint-dir"),
+    # (an Adam step past float32's range overflowed in torch.optim's arithmetic, with torch's message)
+    (dict(lr=1e39, dtype="float32"), "--lr 1e+39: Adam's first step moves each parameter by up to lr / (1 - beta1) = 1e+40, more "
+                    "than the largest float32"),
+    (dict(lr=1e39, dtype="bfloat16"), "the parameters are float32). Fix: a learning rate such as 0.003"),
 ])
 def test_numbers_the_run_cannot_use_are_refused_naming_the_flag(kw, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         tiny("none", **kw)
+
+
+def test_only_rank_0_prints_a_bad_command_line_under_torchrun(capsys, monkeypatch):
+    """Every rank parses the same command line: the others exit with the same status, silently."""
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--mesh", "pipeline=2"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        parse_args(["--mesh", "pipeline=2"])
+    assert "unknown axis 'pipeline'" in capsys.readouterr().err
+    assert tiny("none", lr=1e39, dtype="float64").lr == 1e39  # (float64 parameters hold that step)
