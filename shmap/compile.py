@@ -25,7 +25,15 @@ Consequences:
   naming the fix: pass it as an argument with `P()`.
 - The body is Python run at trace time: Python control flow on values is
   already an error in bodies (`VaryingControlFlowError`), and prints run once
-  per compilation, not per call.
+  per compilation, not per call.  Python values the body reads are frozen in
+  the graph, and Dynamo, which does not look inside the node, guards none of
+  them; so the call hands the node the ones a body most often reads
+  (`python_state`: numbers, strings and flags it closes over or reads as
+  globals, directly or through a function it calls, and the `training` flag
+  of modules it uses), which Dynamo guards: a change recompiles, as it does
+  for plain code.  Other state (an attribute of a closed-over object) stays
+  frozen until a recompile (`torch._dynamo.reset()`): pass such values as
+  arguments.
 - Sizes may be symbolic (Dynamo's automatic dynamic shapes after a
   recompile); a collective's `comm_log` event needs concrete bytes, so the
   sizes it reports are specialised (guarded) in the graph.
@@ -121,6 +129,8 @@ import sys
 import threading
 import weakref
 
+import torch
+
 _PENDING: "weakref.WeakSet" = weakref.WeakSet()
 _LOCK = threading.Lock()
 _HOOKED = False
@@ -153,7 +163,7 @@ def graph_call(call, name):
 
     last, types = [None], {}
 
-    def node(*args, **kwargs):
+    def node(*args, _state=(), **kwargs):  # (`_state`: guarded by Dynamo, see `python_state`)
         out = call(*_mutable(args), **_mutable(kwargs))
         last[0] = skeleton(out, types)
         return flat_leaves(out)
@@ -170,6 +180,50 @@ def graph_call(call, name):
     traced.__code__ = traced.__code__.replace(co_name=f"{name}_traced")
     register(node)
     return traced
+
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def python_state(f, depth=0) -> tuple:
+    """The Python values a body reads that a trace would freeze and Dynamo can guard: numbers, strings and
+    flags that `f` closes over or reads as globals (and, one call deep, those of the functions it names),
+    and the `training` flag of modules among them (`nn.Dropout`, `BatchNorm`), or of `f` itself.
+
+    Run by Dynamo while it traces the call (shard_map's and pmap's `mapped`): handed to the graph node as
+    an argument, each value is guarded, so changing it recompiles instead of replaying the stale graph
+    (`scale = 5` after the first call, a learning rate read from a global, `model.eval()`).
+    """
+    if isinstance(f, torch.nn.Module):
+        return (f.training,) + python_state(type(f).forward, depth)
+    while hasattr(f, "func") and hasattr(f, "args"):  # functools.partial (its arguments are bound)
+        f = f.func
+    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+    if code is None:
+        return ()
+    values = [c.cell_contents for c in cells if not _empty(c)]
+    scope = f.__globals__
+    values += [scope[n] for n in code.co_names if n in scope]
+    out = []
+    for v in values:
+        if type(v) in _SIMPLE:
+            out.append(v)
+        elif isinstance(v, torch.nn.Module):
+            out.append(v.training)
+        elif depth < 1 and type(v) is _FUNCTION:
+            out.extend(python_state(v, depth + 1))
+    return tuple(out)
+
+
+_FUNCTION = type(python_state)
+
+
+def _empty(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (a name assigned after the function was made)
+        return True
+    return False
 
 
 def _mutable(tree):

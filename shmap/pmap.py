@@ -27,7 +27,7 @@ import optree
 import torch
 
 from . import context
-from .compile import graph_call
+from .compile import graph_call, python_state
 from .errors import SpecError, VmaError
 from .mesh import Mesh, P, make_mesh
 from .tensor import vma
@@ -83,7 +83,7 @@ def pmap(fun=None, axis_name=None, *, in_axes=0, out_axes=0, static_broadcasted_
     def mapped(*args, **kwargs):
         if torch.compiler.is_compiling():  # Dynamo is tracing: one node of its graph (compile.py)
             _make_world_device_mesh(name)  # (run by Dynamo, not traced: it may create the mesh)
-            return traced(*args, device_mesh=_WORLD_DEVICE_MESHES.get(name), **kwargs)
+            return traced(*args, device_mesh=_WORLD_DEVICE_MESHES.get(name), _state=python_state(fun), **kwargs)
         return _pmap_call(cfg, args, kwargs)
 
     n = next(_fresh_node)
@@ -159,7 +159,7 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
                 "arguments; give one entry per positional argument (an int, None, or a pytree prefix)."
             )
         per_arg = list(in_axes)
-    elif in_axes is None or isinstance(in_axes, int):
+    elif in_axes is None or (isinstance(in_axes, int) and not isinstance(in_axes, bool)):  # (True is not 1)
         per_arg = [in_axes] * nargs
     else:
         raise TypeError(
@@ -278,7 +278,7 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
 def _flatten_with_axes(api, path, value, axes_prefix, leaves):
     """Flatten `value`; each leaf gets its axis from the prefix tree `axes_prefix`."""
     vleaves, treedef = optree.tree_flatten(value, none_is_leaf=True)
-    if axes_prefix is None or isinstance(axes_prefix, int):
+    if axes_prefix is None or (isinstance(axes_prefix, int) and not isinstance(axes_prefix, bool)):
         axes = [axes_prefix] * len(vleaves)
     else:
         try:
@@ -291,7 +291,7 @@ def _flatten_with_axes(api, path, value, axes_prefix, leaves):
             ) from None
     paths = optree.tree_paths(value, none_is_leaf=True)
     for p, v, ax in zip(paths, vleaves, axes):
-        if ax is not None and not isinstance(ax, int):
+        if ax is not None and (not isinstance(ax, int) or isinstance(ax, bool)):
             raise TypeError(f"{api}: in_axes entries must be ints or None, got {ax!r} for {path}.")
         if isinstance(v, numbers.Number) and not isinstance(v, torch.Tensor) and ax is None:
             v = torch.tensor(v)
@@ -432,7 +432,7 @@ def _nested_world_mesh(api, name, n, parent):
             "shard_map, or order the mesh axes outer-first."
         )
     room = math.prod(free)
-    if not free or room % n:
+    if room % n:  # (an inner pmap of size 1 fits any room, none to spare included)
         outer = ", ".join(f"{a}={pm.shape[a]}" for a in parent.axes)
         raise ValueError(
             f"{api}: a nested pmap of size {n} does not fit the torch.distributed world of {pm.size} processes: "

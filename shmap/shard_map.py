@@ -21,7 +21,7 @@ import torch
 
 from . import context, foreach, nesting, special  # noqa: F401  (special, foreach: fill tensor._SPECIAL before any body runs)
 from .backends import for_mesh
-from .compile import graph_call
+from .compile import graph_call, python_state
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
 from .spec_tree import cached_match, freeze
@@ -81,7 +81,8 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
                 "with functools.partial before shard_map."
             )
         if torch.compiler.is_compiling():  # Dynamo is tracing: one node of its graph (compile.py)
-            return traced(*args, device_mesh=mesh.device_mesh if mesh.is_distributed else None)
+            return traced(*args, device_mesh=mesh.device_mesh if mesh.is_distributed else None,
+                          _state=python_state(f))
         return run(*args)
 
     in_specs, out_specs = freeze(in_specs), freeze(out_specs)
@@ -102,6 +103,7 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
 
 
 _COUNTER = itertools.count()
+
 
 
 def _compiled_module_type():

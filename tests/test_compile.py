@@ -227,3 +227,58 @@ def test_compiled_with_dynamic_shapes():
             got = step(w, x)
         torch.testing.assert_close(got, torch.func.grad_and_value(loss)(w, x))
         assert log.summary() == {"psum": 2}
+
+
+# Python state a body reads: Dynamo does not look inside the call, so the call hands it the values a
+# body most often reads (compile.python_state), which it guards.  Each used to be frozen at the first trace.
+SCALE = 2.0
+
+
+def _lr_of_step():
+    return SCALE * 0.5  # (read one call deep: a helper the body calls)
+
+
+def test_python_values_the_body_reads_recompile_when_they_change():
+    global SCALE
+    scale = 2
+    drop = torch.nn.Dropout(0.5)
+
+    def closure(x):
+        return x * scale
+
+    def through_a_helper(x):
+        return x * _lr_of_step()
+
+    bodies = {"closure": closure, "global via a helper": through_a_helper, "module flag": lambda x: drop(x),
+              "partial": __import__("functools").partial(lambda k, x: x * scale * k, 3)}
+    x = torch.ones(8)
+    compiled = {k: torch.compile(shmap.shard_map(b, mesh=MESH, in_specs=P("i"), out_specs=P("i")),
+                                 fullgraph=True, backend="aot_eager") for k, b in bodies.items()}
+    for k in ("closure", "global via a helper", "partial"):
+        compiled[k](x)
+    assert (compiled["module flag"](x) == 0).any()  # training: drops
+    scale, SCALE = 5, 7.0
+    drop.eval()
+    try:
+        assert torch.equal(compiled["closure"](x), x * 5)
+        assert torch.equal(compiled["global via a helper"](x), x * 3.5)
+        assert torch.equal(compiled["partial"](x), x * 15)
+        assert torch.equal(compiled["module flag"](x), x)  # eval: the identity
+    finally:
+        SCALE = 2.0
+
+
+def test_python_state_reads_what_a_trace_freezes():
+    from shmap.compile import python_state
+
+    later = None
+
+    def body(x):
+        return x * later if later else x  # `later`: a cell still empty when read below
+
+    del later
+    assert python_state(body) == ()  # (an empty cell is skipped)
+    lin = torch.nn.Linear(2, 2)
+    assert python_state(lin)[0] is True
+    lin.eval()
+    assert python_state(lin)[0] is False

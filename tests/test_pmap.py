@@ -275,6 +275,11 @@ def test_error_rank_static_and_no_mapped_axis():
         shmap.pmap(lambda a: a, "i", in_axes=None)(torch.ones(4))
     with pytest.raises(ValueError, match="in_axes is a tuple of 1 entries but the call passes 2"):
         shmap.pmap(lambda a, b: a, "i", in_axes=(0,))(torch.ones(4), torch.ones(4))
+    # True is not an axis (it mapped axis 1, silently); JAX refuses it too.
+    with pytest.raises(TypeError, match=r"in_axes must be an int, None, or a tuple .* got bool True"):
+        shmap.pmap(lambda a: a, "i", in_axes=True)(torch.ones(4, 2))
+    with pytest.raises(TypeError, match=r"in_axes entries must be ints or None, got True for args\[0\]"):
+        shmap.pmap(lambda a: a, "i", in_axes=(True,))(torch.ones(4, 2))
 
 
 def test_error_bad_out_axes_outputs_devices_and_empty_axis():
@@ -511,3 +516,13 @@ def test_devices_argument_and_pmap_inside_shard_map():
 
     got = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.ones(2, 3, 2))
     assert torch.equal(got, torch.full((2, 3, 2), 6.0))
+
+
+def test_compiled_pmap_follows_a_python_value_its_body_reads():
+    """The body's closed-over number was frozen at the first trace (compile.python_state)."""
+    scale = 2.0
+    f = torch.compile(shmap.pmap(lambda v: v * scale, "i"), backend="aot_eager")
+    x = torch.ones(4, 2)
+    assert torch.equal(f(x), x * 2)
+    scale = 3.0
+    assert torch.equal(f(x), x * 3)

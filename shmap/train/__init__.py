@@ -10,7 +10,8 @@ program with shmap.  Read it in this order:
 - `optim.py`       Adam as a map over the parameter pytree, LR schedule, clipping
 - `data.py`        byte tokens from a corpus, train/validation split, batches
 - `checkpoint.py`  torch.distributed.checkpoint save/restore, any mesh to any mesh
-- `loop.py`        the train step, lagged metrics, evaluation, sampling, the loop
+- `loop.py`        the train step, evaluation, sampling, the loop, the command
+- `metrics.py`     the run's outputs: lagged metrics, the loss plot, --out's checks
 
 Run it with `make train`, `shmap-train --mesh fsdp=2,tensor=4`, or
 `torchrun --nproc-per-node 4 -m shmap.train --mesh data=2,tensor=2`.

@@ -1,4 +1,4 @@
-"""The training loop: state, the step, lagged metrics, evaluation, checkpoints, sampling.
+"""The training loop: state, the step, evaluation, checkpoints, sampling (the outputs: metrics.py).
 
     cfg = parse_args()                     # flags -> Config
     run = Run(cfg)                         # mesh, layout, specs, data, the two shard_maps
@@ -15,7 +15,6 @@ blocks).  `--mesh none` calls the same functions without shard_map.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import signal
@@ -33,10 +32,8 @@ from shmap import P
 from . import checkpoint, data as data_mod, model, optim
 from .stop import AgreedStop
 from .config import Config, ConfigError, parse_args
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite (names the step and the last good checkpoint)."""
+from .metrics import (NonFiniteLossError, RecordWriter, _value, check_output_dirs, keep_metrics_before,  # noqa: F401
+                      plot, read_history)
 
 
 def _rank() -> int:
@@ -159,54 +156,6 @@ class Run:
         return optree.tree_map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, params)
 
 
-def _value(x) -> float:
-    if hasattr(x, "to_local"):
-        x = x.to_local()
-    return float(x)
-
-
-class RecordWriter:
-    """Lagged metrics, as in the cookbook: step k's values are read while step k+1 runs.
-
-    Reading a device value forces the host to wait for it; reading the previous
-    step's values instead keeps the device busy.  Lines go to `metrics.jsonl`
-    (rank 0 only) and to the progress bar.
-    """
-
-    def __init__(self, path: Path | None, progress=None, log=print):
-        self.file = open(path, "a") if path is not None else None
-        self.pending = None
-        self.progress = progress
-        self.log = log
-        self.history = []
-
-    def __call__(self, record: dict | None):
-        record, self.pending = self.pending, record
-        if record is None:
-            return
-        out = {k: (_value(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
-        for key, what in (("train_loss", "the training loss"), ("grad_norm", "the gradient norm")):
-            # (a non-finite gradient makes the update's parameters non-finite: never save those)
-            if key in out and not math.isfinite(out[key]):
-                raise NonFiniteLossError(f"step {out['step']}: {what} is {out[key]}")
-        self.write(out)
-
-    def write(self, out: dict):
-        self.history.append(out)
-        if self.file is not None:
-            self.file.write(json.dumps(out) + "\n")
-            self.file.flush()
-        if self.progress is not None and "train_loss" in out:
-            self.progress.set_postfix(loss=f"{out['train_loss']:.3f}", tok_s=f"{out['tokens_per_s']:.0f}")
-
-    def flush(self):
-        self(None)
-
-    def close(self):
-        if self.file is not None:
-            self.file.close()
-
-
 def sample(cfg: Config, params, prompt: str, length: int, *, temperature=0.8, top_k=20, seed=0) -> str:
     """Continue `prompt` by `length` bytes with the plain (one-device) model on whole parameters."""
     layout = model.Layout(None)
@@ -229,34 +178,6 @@ def sample(cfg: Config, params, prompt: str, length: int, *, temperature=0.8, to
     return data_mod.decode(tokens)
 
 
-def plot(history: list, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tr = [(r["step"], r["train_loss"]) for r in history if "train_loss" in r]
-    va = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    if tr:
-        ax.plot(*zip(*tr), lw=0.8, alpha=0.5, label="train")
-        k = max(1, len(tr) // 50)
-        if k > 1:
-            sm = [sum(v for _, v in tr[max(0, i - k + 1): i + 1]) / len(tr[max(0, i - k + 1): i + 1])
-                  for i in range(len(tr))]
-            ax.plot([s for s, _ in tr], sm, lw=1.5, label=f"train (mean of {k})")
-    if va:
-        ax.plot(*zip(*va), "o-", lw=1.5, label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def train(cfg: Config, log=print) -> dict:
     """Run the training loop; returns {'history', 'params', 'final_val_loss', ...}."""
     main_rank = _rank() == 0
@@ -267,11 +188,11 @@ def train(cfg: Config, log=print) -> dict:
     log(f"shmap-train: {n_params / 1e6:.2f}M parameters, mesh {cfg.describe_mesh()}"
         f"{' (' + str(run.mesh) + ')' if run.mesh is not None else ' (plain PyTorch)'}, "
         f"{len(run.corpus.train) / 1e6:.1f} MB of training bytes, {cfg.steps} steps")
-    _check_output_dirs(cfg)
+    check_output_dirs(cfg)
     params, opt, start = run.init_or_resume(log)
     out = Path(cfg.out) if cfg.out else None
     if out is not None and main_rank:
-        _keep_metrics_before(out / "metrics.jsonl", start)  # a resumed run rewrites what came after
+        keep_metrics_before(out / "metrics.jsonl", start)  # a resumed run rewrites what came after
     bar = None
     if cfg.progress and main_rank:
         from tqdm.auto import tqdm
@@ -371,59 +292,11 @@ def _finish(cfg: Config, run: Run, params, result, out, main_rank, log):
         if out is not None:
             (out / "sample.txt").write_text(text)
     if main_rank and out is not None:
-        history = _read_history(out / "metrics.jsonl")
+        history = read_history(out / "metrics.jsonl")
         plot(history, out / "loss.png", f"shmap-train, mesh {cfg.describe_mesh()}")
         log(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'}" + (f", {out / 'sample.txt'}" if cfg.sample_len
                                                                     else ""))
     log(f"final validation loss: {result['final_val_loss']:.4f} nats/byte")
-
-
-def _check_output_dirs(cfg: Config):
-    """--out and --checkpoint-dir must be (or become) writable directories, checked before any work; a new
-    run does not write over an earlier run's metrics (as it does not over its checkpoints)."""
-    import tempfile
-
-    for flag, d in (("--out", cfg.out), ("--checkpoint-dir", cfg.checkpoint_dir)):
-        if not d:
-            continue
-        try:
-            Path(d).mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=d):
-                pass
-        except OSError as e:
-            raise ConfigError(f"{flag} {d}: cannot be made a writable directory ({e.strerror or e}). Fix: a "
-                              "writable directory path.") from None
-    for name in ("metrics.jsonl", "loss.png", "sample.txt") if cfg.out else ():  # (what rank 0 writes there)
-        path = Path(cfg.out) / name
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"--out {cfg.out}: {path} is a directory (or not a regular file), and the run writes "
-                              f"its {name} there. Fix: move it away, or another --out.")
-    metrics = Path(cfg.out) / "metrics.jsonl" if cfg.out else None
-    if metrics is not None and not cfg.resume and metrics.is_file() and metrics.stat().st_size:
-        raise ConfigError(f"--out {cfg.out} holds an earlier run's metrics.jsonl, which a new run would replace. "
-                          "Fix: another (or an emptied) --out, or --resume to continue that run.")
-
-
-def _keep_metrics_before(path: Path, start: int):
-    """Keep the lines of an earlier run's metrics before the step this one starts from (none, fresh): its
-    training lines before `start`, its validation lines up to it (the state after `start` steps, which the
-    resumed run does not evaluate again).  A partial last line (a crash mid-write) is dropped."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines() if start else ():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        step = rec.get("step", start) if isinstance(rec, dict) else start
-        if step < start or ("val_loss" in rec and step == start):
-            kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def _read_history(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _init_distributed(cfg: Config):

@@ -96,6 +96,10 @@ def run_nested():
     f = shmap.pmap(mixed, "data", in_axes=(0, None))
     out["mixed"] = _grad_of(f, [_data(2, 2, 1, seed=9), _data(1, seed=10)], _data(2, 2, 1, seed=11))
     out["shard_map"] = _grad_of(nested_shard_map, [_data(8, seed=12), _data(seed=13)], _data(8, seed=14))
+    # An innermost pmap of size 1, where the outer maps leave no process to spare (it was refused on processes).
+    three = shmap.pmap(lambda v: shmap.pmap(lambda u: shmap.pmap(
+        lambda t: shmap.psum(t * shmap.axis_index("b"), ("a", "b", "c")), "c")(u), "b")(v), "a")
+    out["inner size 1"] = _full(three(torch.arange(4., dtype=F64).reshape(2, 2, 1)))
     return out
 
 

@@ -70,17 +70,6 @@ def test_a_step_reads_its_state_and_never_writes_it(mesh):
     assert float(m1["train_loss"]) == float(m2["train_loss"])
 
 
-def test_metrics_are_read_one_step_late():
-    """The writer holds step k's device values until step k+1 is dispatched (no sync inside a step)."""
-    w = loop.RecordWriter(None)
-    w({"step": 0, "train_loss": torch.tensor(2.0)})
-    assert w.history == []
-    w({"step": 1, "train_loss": torch.tensor(1.5)})
-    assert w.history == [{"step": 0, "train_loss": 2.0}]
-    w.flush()
-    assert [r["step"] for r in w.history] == [0, 1]
-
-
 def _poison(monkeypatch, key, at):
     """Make step `at` report a NaN `key` metric (a loss or gradient norm gone non-finite)."""
     step = loop.Run.step

@@ -1,0 +1,139 @@
+"""The run's outputs in --out: lagged metrics (`metrics.jsonl`), the loss plot, and the checks that keep
+an earlier run's files (refused, or kept up to the step a resumed run starts from)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite (names the step and the last good checkpoint)."""
+
+
+def _value(x) -> float:
+    if hasattr(x, "to_local"):
+        x = x.to_local()
+    return float(x)
+
+
+class RecordWriter:
+    """Lagged metrics, as in the cookbook: step k's values are read while step k+1 runs.
+
+    Reading a device value forces the host to wait for it; reading the previous
+    step's values instead keeps the device busy.  Lines go to `metrics.jsonl`
+    (rank 0 only) and to the progress bar.
+    """
+
+    def __init__(self, path: Path | None, progress=None, log=print):
+        self.file = open(path, "a") if path is not None else None
+        self.pending = None
+        self.progress = progress
+        self.log = log
+        self.history = []
+
+    def __call__(self, record: dict | None):
+        record, self.pending = self.pending, record
+        if record is None:
+            return
+        out = {k: (_value(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        for key, what in (("train_loss", "the training loss"), ("grad_norm", "the gradient norm")):
+            # (a non-finite gradient makes the update's parameters non-finite: never save those)
+            if key in out and not math.isfinite(out[key]):
+                raise NonFiniteLossError(f"step {out['step']}: {what} is {out[key]}")
+        self.write(out)
+
+    def write(self, out: dict):
+        self.history.append(out)
+        if self.file is not None:
+            self.file.write(json.dumps(out) + "\n")
+            self.file.flush()
+        if self.progress is not None and "train_loss" in out:
+            self.progress.set_postfix(loss=f"{out['train_loss']:.3f}", tok_s=f"{out['tokens_per_s']:.0f}")
+
+    def flush(self):
+        self(None)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def plot(history: list, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [(r["step"], r["train_loss"]) for r in history if "train_loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if tr:
+        ax.plot(*zip(*tr), lw=0.8, alpha=0.5, label="train")
+        k = max(1, len(tr) // 50)
+        if k > 1:
+            sm = [sum(v for _, v in tr[max(0, i - k + 1): i + 1]) / len(tr[max(0, i - k + 1): i + 1])
+                  for i in range(len(tr))]
+            ax.plot([s for s, _ in tr], sm, lw=1.5, label=f"train (mean of {k})")
+    if va:
+        ax.plot(*zip(*va), "o-", lw=1.5, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def check_output_dirs(cfg: Config):
+    """--out and --checkpoint-dir must be (or become) writable directories, checked before any work; a new
+    run does not write over an earlier run's metrics (as it does not over its checkpoints)."""
+    import tempfile
+
+    for flag, d in (("--out", cfg.out), ("--checkpoint-dir", cfg.checkpoint_dir)):
+        if not d:
+            continue
+        try:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=d):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{flag} {d}: cannot be made a writable directory ({e.strerror or e}). Fix: a "
+                              "writable directory path.") from None
+    for name in ("metrics.jsonl", "loss.png", "sample.txt") if cfg.out else ():  # (what rank 0 writes there)
+        path = Path(cfg.out) / name
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"--out {cfg.out}: {path} is a directory (or not a regular file), and the run writes "
+                              f"its {name} there. Fix: move it away, or another --out.")
+    metrics = Path(cfg.out) / "metrics.jsonl" if cfg.out else None
+    if metrics is not None and not cfg.resume and metrics.is_file() and metrics.stat().st_size:
+        raise ConfigError(f"--out {cfg.out} holds an earlier run's metrics.jsonl, which a new run would replace. "
+                          "Fix: another (or an emptied) --out, or --resume to continue that run.")
+
+
+def keep_metrics_before(path: Path, start: int):
+    """Keep the lines of an earlier run's metrics before the step this one starts from (none, fresh): its
+    training lines before `start`, its validation lines up to it (the state after `start` steps, which the
+    resumed run does not evaluate again).  A partial last line (a crash mid-write) is dropped."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines() if start else ():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        step = rec.get("step", start) if isinstance(rec, dict) else start
+        if step < start or ("val_loss" in rec and step == start):
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_history(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
