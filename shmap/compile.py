@@ -29,8 +29,8 @@ Consequences:
   the graph, and Dynamo, which does not look inside the node, guards none of
   them; so the call hands the node the ones a body most often reads
   (`python_state`: numbers, strings and flags it closes over or reads as
-  globals, directly or through a function it calls, and the `training` flag
-  of modules it uses), which Dynamo guards: a change recompiles, as it does
+  globals, or in a dict, list or tuple it closes over, directly or through a
+  function it calls, and the `training` flag of modules it uses), which Dynamo guards: a change recompiles, as it does
   for plain code.  Other state (an attribute of a closed-over object) stays
   frozen until a recompile (`torch._dynamo.reset()`): pass such values as
   arguments.
@@ -187,8 +187,9 @@ _SIMPLE = (int, float, bool, str, type(None))
 
 def python_state(f, depth=0) -> tuple:
     """The Python values a body reads that a trace would freeze and Dynamo can guard: numbers, strings and
-    flags that `f` closes over or reads as globals (and, one call deep, those of the functions it names),
-    and the `training` flag of modules among them (`nn.Dropout`, `BatchNorm`), or of `f` itself.
+    flags that `f` closes over or reads as globals, or holds in a dict, list or tuple it closes over (and,
+    one call deep, those of the functions it names), and the `training` flag of modules among them
+    (`nn.Dropout`, `BatchNorm`), or of `f` itself.
 
     Run by Dynamo while it traces the call (shard_map's and pmap's `mapped`): handed to the graph node as
     an argument, each value is guarded, so changing it recompiles instead of replaying the stale graph
@@ -210,6 +211,8 @@ def python_state(f, depth=0) -> tuple:
             out.append(v)
         elif isinstance(v, torch.nn.Module):
             out.append(v.training)
+        elif type(v) in (dict, list, tuple) and len(v) <= 64:  # (a settings dict, a schedule's table)
+            out.extend(x for x in (v.values() if type(v) is dict else v) if type(x) in _SIMPLE)
         elif depth < 1 and type(v) is _FUNCTION:
             out.extend(python_state(v, depth + 1))
     return tuple(out)

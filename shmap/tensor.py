@@ -441,12 +441,21 @@ def _check_inplace(func, self_val, union, body):
 
 
 def storage_key(t):
-    """Identity of `t`'s storage (views share it), or None where there is none to read (fake tensors)."""
+    """Identity of `t`'s storage (views share it), or None where there is none to read.
+
+    A real tensor's is its data pointer (empty tensors all sit at 0: none).  Under a torch.func
+    transform the wrapped tensor's; while torch.compile traces (fake and functional tensors, which
+    have no data) the storage object's: views share it, copies do not.  (Without these the read-only
+    arguments and the copy of an argument returned as it is were skipped whenever a body was traced.)
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
     try:
-        ptr = t.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - functorch wrappers, FakeTensor under torch.compile
+        if type(t) in _PLAIN:
+            return t.untyped_storage().data_ptr() or None
+        return ("traced", t.untyped_storage()._cdata)
+    except Exception:  # noqa: BLE001 - a tensor without storage
         return None
-    return ptr or None  # empty tensors all sit at 0
 
 
 def _check_not_argument(func, x):

@@ -249,20 +249,24 @@ def test_python_values_the_body_reads_recompile_when_they_change():
     def through_a_helper(x):
         return x * _lr_of_step()
 
+    settings = {"scale": 2.0, "name": "x"}
     bodies = {"closure": closure, "global via a helper": through_a_helper, "module flag": lambda x: drop(x),
+              "a dict's value": lambda x: x * settings["scale"],
               "partial": __import__("functools").partial(lambda k, x: x * scale * k, 3)}
     x = torch.ones(8)
     compiled = {k: torch.compile(shmap.shard_map(b, mesh=MESH, in_specs=P("i"), out_specs=P("i")),
                                  fullgraph=True, backend="aot_eager") for k, b in bodies.items()}
-    for k in ("closure", "global via a helper", "partial"):
+    for k in ("closure", "global via a helper", "partial", "a dict's value"):
         compiled[k](x)
     assert (compiled["module flag"](x) == 0).any()  # training: drops
     scale, SCALE = 5, 7.0
+    settings["scale"] = 4.0
     drop.eval()
     try:
         assert torch.equal(compiled["closure"](x), x * 5)
         assert torch.equal(compiled["global via a helper"](x), x * 3.5)
         assert torch.equal(compiled["partial"](x), x * 15)
+        assert torch.equal(compiled["a dict's value"](x), x * 4)
         assert torch.equal(compiled["module flag"](x), x)  # eval: the identity
     finally:
         SCALE = 2.0
@@ -282,3 +286,22 @@ def test_python_state_reads_what_a_trace_freezes():
     assert python_state(lin)[0] is True
     lin.eval()
     assert python_state(lin)[0] is False
+
+
+def test_arguments_stay_read_only_when_the_body_is_traced():
+    """torch.compile, shmap.jit and torch.func.vmap trace the body on tensors without data (fake, functional,
+    batched); the read-only check found no storage there and let an in-place update write the caller's
+    tensor (tensor.storage_key now reads the traced tensor's storage, or the wrapped one's)."""
+    f = shmap.shard_map(lambda v: v.mul_(2), mesh=MESH, in_specs=P("i"), out_specs=P("i"))
+    for name, traced in (("compile", torch.compile(f, backend="aot_eager")), ("jit", shmap.jit(f)),
+                         ("vmap", torch.func.vmap(f))):
+        x = torch.ones(2, 8) if name == "vmap" else torch.ones(8)
+        with pytest.raises(Exception, match=r"in-place update of argument 0 \('v'\)"):
+            traced(x)
+        assert torch.equal(x, torch.ones_like(x)), name
+    # An argument returned as it is comes back a new tensor, as eagerly: writing it leaves the caller's alone.
+    x = torch.ones(8)
+    out = torch.compile(shmap.shard_map(lambda v: v, mesh=MESH, in_specs=P("i"), out_specs=P("i")),
+                        backend="aot_eager")(x)
+    out.add_(1)
+    assert torch.equal(x, torch.ones(8))

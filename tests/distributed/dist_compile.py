@@ -496,12 +496,55 @@ def unread_psum():
     return bad
 
 
+
+def read_only_arguments():
+    """Arguments stay read-only in a compiled body (storage_key under tracing): an in-place update of one
+    raises, an update of its pvary writes a copy, and the caller's tensors are untouched (they were written,
+    each rank its own block); a Python number the body closes over is guarded (compile.python_state)."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    bad = []
+    x = torch.ones(4)
+
+    def writes_argument(v):
+        v.add_(1)
+        return shmap.psum(v.sum(), "i")
+
+    try:
+        torch.compile(shmap.shard_map(writes_argument, mesh=mesh, in_specs=P("i"), out_specs=P()),
+                      backend="aot_eager")(x)
+        bad.append("read-only: an in-place update of an argument ran under compile")
+    except Exception as e:  # noqa: BLE001  (Dynamo wraps it: TorchRuntimeError)
+        if "in-place update of argument 0 ('v')" not in str(e):
+            bad.append(f"read-only: {type(e).__name__}: {str(e)[:300]}")
+    if not torch.equal(x, torch.ones(4)):
+        bad.append(f"read-only: the caller's tensor became {x.tolist()}")
+    w = torch.zeros(2)
+
+    def writes_its_pvary(v, w):
+        u = shmap.pvary(w, "i")
+        u.add_(v)
+        return u
+
+    f = shmap.shard_map(writes_its_pvary, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))
+    got = _value(torch.compile(f, backend="aot_eager")(torch.arange(4.0), w))
+    if not torch.equal(got, torch.arange(4.0)) or not torch.equal(w, torch.zeros(2)):
+        bad.append(f"pvary then in place: output {got.tolist()}, the caller's w {w.tolist()} (want [0, 1, 2, 3], zeros)")
+    scale = {"s": 2.0}
+    g = torch.compile(shmap.shard_map(lambda v: shmap.psum(v * scale["s"], "i"), mesh=mesh, in_specs=P("i"),
+                                      out_specs=P()), backend="aot_eager")
+    first = _value(g(x)).tolist()
+    scale["s"] = 5.0
+    if (first, _value(g(x)).tolist()) != ([4.0, 4.0], [10.0, 10.0]):
+        bad.append(f"python state: {first} then {_value(g(x)).tolist()} (want [4, 4] then [10, 10])")
+    return bad
+
 CASES = {"collectives": collectives, "bucketed": bucketed, "full buckets": full_buckets,
          "sealed buckets": sealed_buckets,
          "gathered outputs": gathered_outputs,
          "pytree outputs": pytree_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
-         "recipe": recipe, "unread psum": unread_psum}
+         "recipe": recipe, "unread psum": unread_psum,
+         "read-only arguments": read_only_arguments}
 
 
 def run_cases(names=None):
