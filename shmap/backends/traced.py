@@ -125,7 +125,7 @@ class _Spec:
 
 def _spec(g: Group, kind, shape, dtype, extra, seal, tdtype, row=0) -> str:
     s = repr((kind, tuple(g.axes), tuple(int(d) for d in shape), str(dtype).replace("torch.", ""), extra,
-              tuple(g.ranks), seal, str(tdtype).replace("torch.", ""), row, g.gloo))
+              tuple(g.ranks), seal, str(tdtype).replace("torch.", ""), int(row), g.gloo))  # (int: sizes specialised)
     if s not in _SPECS:
         _SPECS[s] = _Spec(*ast.literal_eval(s))
     return s

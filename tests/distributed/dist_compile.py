@@ -538,13 +538,35 @@ def read_only_arguments():
         bad.append(f"python state: {first} then {_value(g(x)).tolist()} (want [4, 4] then [10, 10])")
     return bad
 
+
+def dynamic_sizes():
+    """Symbolic sizes (dynamic=True, or Dynamo's own after a second batch size) with collectives whose wire
+    size depends on them: the compiled call raised (a symbolic byte count in a signature's spec)."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(x):
+        g = shmap.all_gather(x * 2, "i", tiled=True)
+        return g + shmap.all_to_all(g, "i", 0, 0, tiled=True) + shmap.ppermute(g, "i", [(0, 1), (1, 0)])
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    bad = []
+    for kw in (dict(dynamic=True), {}):
+        torch._dynamo.reset()
+        cf = torch.compile(f, fullgraph=True, backend="aot_eager", **kw)
+        for n in (4, 6):
+            x = torch.arange(3.0 * n).reshape(n, 3)
+            got, want = _value(cf(x)), _value(f(x))
+            if not torch.equal(got, want):
+                bad.append(f"dynamic sizes {kw} n={n}: {got} != {want}")
+    return bad
+
 CASES = {"collectives": collectives, "bucketed": bucketed, "full buckets": full_buckets,
          "sealed buckets": sealed_buckets,
          "gathered outputs": gathered_outputs,
          "pytree outputs": pytree_outputs, "plain step": lambda: training_step(False),
          "DTensor step": lambda: training_step(True), "inductor": inductor, "strict": strict_mismatch,
          "recipe": recipe, "unread psum": unread_psum,
-         "read-only arguments": read_only_arguments}
+         "read-only arguments": read_only_arguments, "dynamic sizes": dynamic_sizes}
 
 
 def run_cases(names=None):
