@@ -60,6 +60,16 @@ torch.library.register_fake("shmap::record", lambda x, event: None, lib=_LIB)
 torch.library._register_effectful_op("shmap::record", _EffectType.ORDERED)
 
 
+def _record_vmap(info, in_dims, x, event):
+    """Under vmap (jacrev, hessian; traced by torch.compile) a collective is one collective of the batch,
+    reported once, as eagerly."""
+    torch.ops.shmap.record(x, event)
+    return None, None
+
+
+torch.library.register_vmap("shmap::record", _record_vmap, lib=_LIB)
+
+
 def record(event: comm.CommEvent, like: torch.Tensor) -> None:
     """Report `event` to comm_log: directly when running eagerly, as an op when traced.
 

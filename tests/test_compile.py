@@ -305,3 +305,22 @@ def test_arguments_stay_read_only_when_the_body_is_traced():
                         backend="aot_eager")(x)
     out.add_(1)
     assert torch.equal(x, torch.ones(8))
+
+
+def test_jacrev_and_hessian_of_a_shard_mapped_function_compile():
+    """They batch the backward's collectives with vmap, whose rule for the comm_log op (`shmap::record`)
+    was missing under torch.compile ("Batching rule not implemented"); the events are eager's."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    vec = shmap.shard_map(lambda w, x: torch.tanh(x @ w), mesh=mesh, in_specs=(P(), P("i")), out_specs=P("i"))
+    loss = shmap.shard_map(lambda w, x: shmap.pmean((torch.tanh(x @ w) ** 2).sum(), "i"), mesh=mesh,
+                           in_specs=(P(), P("i")), out_specs=P())
+    w, x = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for f in (lambda w, x: torch.func.jacrev(vec)(w, x), lambda w, x: torch.func.hessian(loss)(w, x)):
+        with shmap.comm_log() as want_log:
+            want = f(w, x)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        compiled(w, x)
+        with shmap.comm_log() as got_log:
+            got = compiled(w, x)
+        torch.testing.assert_close(got, want)
+        assert got_log.summary() == want_log.summary() and got_log.summary()
