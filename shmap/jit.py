@@ -31,8 +31,9 @@ tens to hundreds of microseconds, more than a tiny program's whole compute.
   compiles its forward and backward graphs (`backend="eager"`: FX replay);
   AOT autograd's runtime wrapper stays, so these calls cost more per call
   than the inference path.  A double backward
-  (`create_graph=True` through a captured call) is refused by AOT autograd
-  with a RuntimeError; call `f` itself (or `jit(...).eager`) for that.
+  (`create_graph=True` through a captured call) raises `JitError` (AOT
+  autograd's backward is not differentiable); call `f` itself (or
+  `jit(...).eager`) for that.
 
 **The key** is everything the trace depends on that can change between calls:
 the argument pytree's structure; every tensor's shape, strides, dtype, device
@@ -89,7 +90,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
 
-from . import comm, context, ops, small_matmul
+from . import comm, context
+from .capture import _DISTRIBUTED, JitError, capture_grad, capture_inference
 from .tensor import storage_key
 
 __all__ = ["jit", "Jitted", "JitError"]
@@ -104,10 +106,6 @@ _default_dtype = torch.get_default_dtype
 _compiling = torch.compiler.is_compiling
 _LOGS = comm._LOGS  # the active comm logs (the list object itself; comm.record appends to each)
 _record = comm.record
-
-
-class JitError(RuntimeError):
-    """`shmap.jit` cannot capture this function as written; the message names the fix."""
 
 
 def jit(f=None, /, *, backend: str = "inductor", max_entries: int = 64):
@@ -253,10 +251,10 @@ class Jitted:
                 if grad:
                     # AOT autograd traces on its first call, which also runs the program (once: this
                     # call's result, so comm_log sees each event once)
-                    run = _capture_grad(flat_fn, name, self.backend)
+                    run = capture_grad(flat_fn, name, self.backend)
                     first = run(list(tensors))
                 else:
-                    run = _capture_inference(flat_fn, tensors, self.backend, name)
+                    run = capture_inference(flat_fn, tensors, self.backend, name)
         except (JitError, NotImplementedError):
             raise
         except Exception as e:
@@ -322,13 +320,6 @@ def _leaf_key(x, first, storages, k):
     return (type(x), x)
 
 
-_DISTRIBUTED = (
-    "shmap.jit captures programs on the simulated mesh only; this call reaches the distributed mesh "
-    "(one process per device), whose collectives must run under the guard's run-time checks. "
-    "Fix: use torch.compile(f) there (its graphs carry the checks; see shmap/compile.py), or call f eagerly."
-)
-
-
 class _trace_errors:
     """Errors raised while tracing, restated for jit where the cause is known."""
 
@@ -358,109 +349,6 @@ class _trace_errors:
                 "Python argument, or call the function without jit."
             ) from exc
         return False  # the caller's rule: run `f` eagerly for this key
-
-
-_LIFT_FRESH = torch.ops.aten.lift_fresh_copy.default
-
-
-def _check_graph(gm, name):
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            val = getattr(gm, node.target, None)
-            # A tensor made from Python data in `f` (`torch.tensor(...)`, a number passed to a
-            # shard_map) is a constant copied afresh on every call: Python state, read at trace time.
-            fresh = node.users and all(u.target is _LIFT_FRESH for u in node.users)
-            if isinstance(val, _Tensor) and not fresh:
-                raise JitError(
-                    f"shmap.jit({name}): the captured program holds a tensor constant of shape "
-                    f"{tuple(val.shape)} (a tensor the function closes over). A replay would keep using "
-                    "that tensor even after it is rebound, and no gradient reaches it. Fix: pass it as an "
-                    "argument (in a shard_map, with in_spec P() if replicated)."
-                )
-        if node.op == "call_function":
-            target = str(node.target)
-            if target.startswith(("shmap.coll_", "shmap.body_end", "_c10d_functional.")):
-                raise NotImplementedError(_DISTRIBUTED)
-
-
-# ----------------------------------------------------------------------
-# Capture: without gradients (make_fx, functionalized, Inductor or FX)
-# ----------------------------------------------------------------------
-def _capture_inference(flat_fn, tensors, backend, name):
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    gm = make_fx(flat_fn, tracing_mode="fake")(*tensors)
-    _check_graph(gm, name)
-    ptrs = [storage_key(t) or id(t) for t in tensors]
-    if backend == "eager" or len(set(ptrs)) < len(ptrs):  # (Inductor's inner compile takes distinct inputs)
-        return _boxed(gm.forward)
-    fx_forward = gm.forward
-    # Inductor needs a functional graph.  Functionalize the captured aten graph (not `f`: its
-    # autograd Functions, under torch.func transforms, have no functionalize rule).
-    from torch._inductor.decomposition import select_decomp_table
-
-    table = {**select_decomp_table(), **small_matmul.DECOMPOSITIONS}
-    gm = make_fx(torch.func.functionalize(gm, remove="mutations"), decomposition_table=table,
-                 tracing_mode="fake")(*tensors)
-    events = []
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.shmap.record.default:
-            events.append(ops.describe(node.args[1]))
-            gm.graph.erase_node(node)
-    gm.recompile()
-    try:
-        compiled = _inductor(gm, tensors)
-    except Exception as e:  # a correct replay is still possible: the FX graph
-        warnings.warn(f"shmap.jit({name}): Inductor could not compile the captured program "
-                      f"({type(e).__name__}: {e}); replaying its FX graph instead.", stacklevel=4)
-        return _boxed(fx_forward)
-    events = tuple(events)
-    call = getattr(compiled, "current_callable", None) or compiled  # skip the profiler bookkeeping
-    call = functools.partial(call)  # (an attribute can be set on it)
-
-    call.shmap_events = events  # reported by the entry (`_finish`) after each call
-    return call  # takes the list of inputs (and clears it)
-
-
-def _inductor(gm, tensors):
-    import torch._inductor.config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # The key pins every input's sizes and strides: the generated code need not assert them.
-    with inductor_config.patch(size_asserts=False), FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(t) for t in tensors]
-        return compile_fx_inner(gm, fakes)
-
-
-# ----------------------------------------------------------------------
-# Capture: differentiable calls (AOT autograd: forward and backward graphs)
-# ----------------------------------------------------------------------
-def _capture_grad(flat_fn, name, backend):
-    from functorch.compile import nop
-    from torch._functorch.aot_autograd import aot_function
-
-    if backend == "eager":
-        fw, bw, table = nop, nop, None
-    else:
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-
-        fw, table = compile_fx_inner, {**select_decomp_table(), **small_matmul.DECOMPOSITIONS}
-
-        def bw(gm, example_inputs):
-            return compile_fx_inner(gm, example_inputs, is_backward=True)
-
-    def fw_compiler(gm, example_inputs):
-        _check_graph(gm, name)
-        return fw(gm, example_inputs)
-
-    return _boxed(aot_function(flat_fn, fw_compiler=fw_compiler, bw_compiler=bw, decompositions=table))
-
-
-def _boxed(fn):
-    """Every replay takes one list of input tensors (which it may clear, as Inductor's code does)."""
-    return lambda ts: fn(*ts)
 
 
 def _finish(run, out_info):
