@@ -30,10 +30,10 @@ Consequences:
   them; so the call hands the node the ones a body most often reads
   (`python_state`: numbers, strings and flags it closes over or reads as
   globals, or in a dict, list or tuple it closes over, directly or through a
-  function it calls, and the `training` flag of modules it uses), which Dynamo guards: a change recompiles, as it does
-  for plain code.  Other state (an attribute of a closed-over object) stays
-  frozen until a recompile (`torch._dynamo.reset()`): pass such values as
-  arguments.
+  function it calls, and the `training` flag of modules it uses), which
+  Dynamo guards: a change recompiles, as it does for plain code.  Other
+  state (an attribute of a closed-over object) stays frozen until a
+  recompile (`torch._dynamo.reset()`): pass such values as arguments.
 - Sizes may be symbolic (Dynamo's automatic dynamic shapes after a
   recompile); a collective's `comm_log` event needs concrete bytes, so the
   sizes it reports are specialised (guarded) in the graph.
