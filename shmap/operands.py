@@ -9,7 +9,7 @@ import torch
 
 from . import context, nesting
 from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, as_tensor_arg, fmt_axes, fmt_vma
-from .tensor import ShTensor, lift
+from .tensor import ShTensor, lift, plain_value
 
 
 def _axes(api: str, axis_name) -> tuple:
@@ -50,7 +50,7 @@ def _operand(api: str, x, axes):
         return body, x
     if not isinstance(x, torch.Tensor):
         x = as_tensor_arg(api, "the operand", x)
-    return body, ShTensor(x, (), frozenset(), body)
+    return body, plain_value(x, body)
 
 
 def _countable(x: ShTensor, api="psum", axes=()) -> ShTensor:

@@ -25,7 +25,7 @@ from .compile import graph_call, python_state
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
 from .spec_tree import cached_match, freeze
-from .tensor import ShTensor, logical_shape, storage_key, vma
+from .tensor import ShTensor, logical_shape, plain_value, storage_key, vma
 
 
 def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vma=True):
@@ -400,7 +400,7 @@ def _exit(path, value, spec, body, mesh, fname):
 
 
 def _output_value(path, value, body, fname) -> ShTensor:
-    """What the body returned at `path` as a value of this body (a tensor or number is invariant)."""
+    """What the body returned at `path` as a value of this body (a tensor or number: `plain_value`)."""
     if isinstance(value, ShTensor):
         if value._body is not body:
             raise VmaError(
@@ -410,7 +410,7 @@ def _output_value(path, value, body, fname) -> ShTensor:
         return value
     if isinstance(value, torch.Tensor) or isinstance(value, numbers.Number):
         t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-        return ShTensor(t, (), frozenset(), body)
+        return plain_value(t, body)
     raise TypeError(
         f"shard_map({fname}) {path}: the body returned {type(value).__name__} here; outputs must be "
         "tensors or numbers. Fix: return tensors, or drop the entry from out_specs."

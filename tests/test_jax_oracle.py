@@ -213,6 +213,45 @@ def test_closure_output_is_a_tile(spec, reps, backward):
     assert got == Counter(backward)
 
 
+
+@pytest.mark.parametrize("name", ["psum", "all_gather", "axis_index", "ppermute", "tile"])
+def test_a_closure_without_checks_is_an_unmapped_argument(name):
+    """check_vma=False: JAX passes a closed-over array in as an argument, so its cotangent is psum'd (the
+    defensive transpose).  A closure that met a collective or the output before any varying value was an
+    invariant plain tensor: on processes each rank kept its own share of the gradient (4x too small),
+    and comm_log missed the psum on both meshes."""
+    w = np.array([0.1, 0.2, 0.3])
+    bodies = {  # (ops namespace, w) -> output; out_spec
+        "psum": (lambda o, w: o.psum(o.sin(w), "i"), JP()),
+        "all_gather": (lambda o, w: o.all_gather(o.sin(w), "i", tiled=True), JP()),
+        "axis_index": (lambda o, w: o.sin(w) * o.axis_index("i"), JP("i")),
+        "ppermute": (lambda o, w: o.ppermute(o.sin(w), "i", [(0, 1), (1, 2), (2, 3)]), JP("i")),
+        "tile": (lambda o, w: o.sin(w), JP("i")),
+    }
+    body, spec = bodies[name]
+    m_jax, m_shmap = jax_mesh((4,), ("i",)), shmap.make_mesh((4,), ("i",))
+
+    def f_jax(w):
+        return jax.shard_map(lambda: body(_JAX_CLOSURE_OPS, w), mesh=m_jax, in_specs=(), out_specs=spec,
+                             check_vma=False)()
+
+    def f_shmap(w):
+        return shmap.shard_map(lambda: body(_SHMAP_CLOSURE_OPS, w), mesh=m_shmap, in_specs=(),
+                               out_specs=to_shmap_spec(spec), check_vma=False)()
+
+    got = assert_matches_jax(f_jax, f_shmap, [w], context=f"check_vma=False closure, {name}")
+    assert got["psum"] >= 1  # (the closure's)
+
+
+class _JAX_CLOSURE_OPS:
+    sin, psum, all_gather = staticmethod(jnp.sin), staticmethod(jax.lax.psum), staticmethod(jax.lax.all_gather)
+    axis_index, ppermute = staticmethod(jax.lax.axis_index), staticmethod(jax.lax.ppermute)
+
+
+class _SHMAP_CLOSURE_OPS:
+    sin, psum, all_gather = staticmethod(torch.sin), staticmethod(shmap.psum), staticmethod(shmap.all_gather)
+    axis_index, ppermute = staticmethod(shmap.axis_index), staticmethod(shmap.ppermute)
+
 # -- seed 004 Example 3: transposing the cursed identity again and again -----------
 def jax_transpose(f, example):
     t = jax.linear_transpose(f, example)

@@ -442,3 +442,25 @@ def own_running_statistics():
         outs = shmap.shard_map(own_copy, mesh=m, in_specs=P("i"), out_specs=P("i"))(x, rm, rv)
         got.append([o.full_tensor() if m.is_distributed else o for o in outs])
     return torch.equal(got[0][0], got[1][0]), all(torch.equal(a, b) for a, b in zip(got[0][1:], got[1][1:]))
+
+
+def closure_without_checks():
+    """check_vma=False bodies whose closed-over tensor meets a collective or the output before any varying
+    value, on the distributed and a simulated mesh -> [(name, gradients equal, comm_log summaries)]: the
+    closure is an unmapped argument (its cotangent psum'd), as in JAX; each rank kept its own share."""
+    world = torch.distributed.get_world_size()
+    bodies = {"psum": (lambda w: shmap.psum(torch.sin(w), "i"), P()),
+              "all_gather": (lambda w: shmap.all_gather(torch.sin(w), "i", tiled=True), P()),
+              "tile": (lambda w: torch.sin(w), P("i"))}
+    out = []
+    for name, (body, spec) in bodies.items():
+        got = []
+        for m in (shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)):
+            w = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64, requires_grad=True)
+            y = shmap.shard_map(lambda: body(w), mesh=m, in_specs=(), out_specs=spec, check_vma=False)()
+            y = y.full_tensor() if m.is_distributed else y
+            with shmap.comm_log() as log:
+                (g,) = torch.autograd.grad(y, w, torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape))
+            got.append(((g * 1).detach(), log.summary()))
+        out.append((name, torch.equal(got[0][0], got[1][0]), got[0][1], got[1][1]))
+    return out

@@ -63,3 +63,12 @@ def test_writing_shared_state_from_varying_values_is_refused_on_both_meshes():
         assert unchanged, name
     # The fix it names: statistics of each device's own, a copy made in the body, returned.
     assert shmap.spawn(dist_interop.own_running_statistics, nprocs=2, timeout=90) == [(True, True)] * 2
+
+
+def test_a_closure_without_checks_gets_its_psummed_gradient_on_processes():
+    """check_vma=False: a closed-over tensor is an unmapped argument (as JAX passes it), so its cotangent is
+    psum'd on every rank; each rank kept only its own share (4x too small on 4 processes)."""
+    for rank in shmap.spawn(dist_interop.closure_without_checks, nprocs=4, timeout=90):
+        for name, equal, dist_log, sim_log in rank:
+            assert equal, name
+            assert dist_log == sim_log and dist_log.get("psum", 0) >= 1, (name, dist_log, sim_log)
