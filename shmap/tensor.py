@@ -293,7 +293,7 @@ def _dispatch(func, args, kwargs):
         # Adding 0 keeps a sum pending (so `sum(...)` and `total = 0` work); other numbers do not.
         has_number = any(isinstance(v, (int, float, complex)) and not isinstance(v, bool) and v != 0
                          for v in args[1:])
-        out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number)
+        out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number, args, kwargs)
     batched = []
     promoted = False  # (found on the first lift: `_promoted`)
     for k in tensor_idx:

@@ -65,11 +65,12 @@ NUMERATOR_ONLY = _ops("div divide true_divide __truediv__ __itruediv__ div_")
 _SUMS = _ops("add sub subtract __add__ __sub__ __radd__ __rsub__ __iadd__ __isub__ add_ sub_")
 
 
-def check(func, operands, body, has_number=False) -> frozenset:
+def check(func, operands, body, has_number=False, args=(), kwargs=None) -> frozenset:
     """The unreduced axes of `func(*operands)`, or a VmaError if the op is not linear in them.
 
     `operands` are the tensor arguments in order (body values and plain tensors);
-    `has_number` says whether a Python number is among the other arguments.
+    `has_number` says whether a Python number is among the other arguments; `args` and
+    `kwargs` are the call's own (a number before the pending divisor, a cast's dtype).
     """
     pending = [getattr(o, "_unreduced", frozenset()) for o in operands]
     axes = frozenset().union(*pending)
@@ -83,6 +84,8 @@ def check(func, operands, body, has_number=False) -> frozenset:
             "their pending sums cannot be combined. Fix: psum each over its axes first."
         )
     n_pending = sum(1 for p in pending if p)
+    if func in _CASTS:
+        _check_cast(name, operands[0], args, kwargs or {}, axes, order)
     if func in UNARY and n_pending == 1 and not any(
         getattr(o, "_vma", frozenset()) & axes for o, p in zip(operands, pending) if not p
     ):
@@ -93,7 +96,8 @@ def check(func, operands, body, has_number=False) -> frozenset:
         k = next(i for i, p in enumerate(pending) if p)
         others = [o for i, o in enumerate(operands) if i != k]
         varying_others = [o for o in others if getattr(o, "_vma", frozenset()) & axes]
-        if func in NUMERATOR_ONLY and k != 0:
+        if func in NUMERATOR_ONLY and (k != 0 or (args and not isinstance(args[0], torch.Tensor))):
+            # (`torch.div(2.0, u)`: the number is the numerator, the pending value the divisor)
             raise VmaError(
                 f"{name}: dividing by a value unreduced along {fmt_vma(axes, order)} is not linear in the "
                 "pending sum. Fix: psum the divisor first."
@@ -116,6 +120,31 @@ def check(func, operands, body, has_number=False) -> frozenset:
         + (" (adding a value that is not pending would add it once per device)" if func in ADDITIVE else "")
         + f". Fix: reduce it first, e.g. `shmap.psum(x, {_lit(axes, order)})`."
     )
+
+
+#: dtype casts in UNARY whose target is an argument (`to`, `type`)
+_CASTS = _ops("to type")
+
+
+def _check_cast(name, x, args, kwargs, axes, order):
+    """A cast of a pending sum commutes with the sum only into a floating or complex dtype (up to rounding):
+    to bool each term becomes 0 or 1, to an integer each float term is truncated."""
+    target = kwargs.get("dtype")
+    for a in args[1:]:
+        if target is None and isinstance(a, torch.dtype):
+            target = a
+        elif target is None and isinstance(a, torch.Tensor):  # `to(other)`
+            target = a.dtype
+    src = getattr(x, "dtype", None)
+    if target is None or target.is_floating_point or target.is_complex:
+        return
+    if target is torch.bool or (src is not None and (src.is_floating_point or src.is_complex)):
+        raise VmaError(
+            f"{name}: casting a value unreduced along {fmt_vma(axes, order)} (a pending sum) to "
+            f"{str(target).replace('torch.', '')} does not commute with the sum (each term would be "
+            f"{'made 0 or 1' if target is torch.bool else 'truncated'}). Fix: reduce it first, e.g. "
+            f"`shmap.psum(x, {_lit(axes, order)})`, then cast."
+        )
 
 
 def _lit(axes, order):

@@ -86,6 +86,15 @@ def test_unreduced_input_is_a_pending_sum_of_the_global_value():
     (lambda u, a: u * a, "not linear in the pending sum"),
     (lambda u, a: a / u, "dividing by a value unreduced"),
     (lambda u, a: shmap.all_gather(u, "i"), "reduce it first"),
+    # a number over a pending value (the number, not a tensor operand, is the numerator): it passed as linear
+    (lambda u, a: torch.div(2.0, u), "dividing by a value unreduced"),
+    (lambda u, a: torch.true_divide(2.0, u), "dividing by a value unreduced"),
+    (lambda u, a: 2.0 / u, "does not commute"),
+    # casts that do not commute with the sum (each term made 0 or 1, or truncated): they passed as views
+    (lambda u, a: u.to(torch.bool), r"to bool does not commute with the sum \(each term would be made 0 or 1\)"),
+    (lambda u, a: u.to(torch.int64), r"to int64 does not commute with the sum \(each term would be truncated\)"),
+    (lambda u, a: u.to(dtype=torch.int32), "to int32 does not commute"),
+    (lambda u, a: u.type(torch.int16), "to int16 does not commute"),
 ])
 def test_nonlinear_uses_are_errors(op, match):
     def body(a):
@@ -94,6 +103,16 @@ def test_nonlinear_uses_are_errors(op, match):
 
     with pytest.raises(shmap.VmaError, match=match):
         sm(body, P("i"), P())(torch.randn(8))
+
+
+def test_casts_that_commute_with_the_sum_stay_pending():
+    """Into a floating dtype (up to rounding), and between integer dtypes (exact, wrapping as the sum does)."""
+    x = torch.arange(8.0, dtype=torch.float64)
+    f = sm(lambda a: shmap.psum(shmap.pcast(a, "i", to="unreduced").to(torch.float32), "i"), P("i"), P())
+    torch.testing.assert_close(f(x), x.reshape(4, 2).sum(0).float())
+    n = torch.arange(8)
+    g = sm(lambda a: shmap.psum(shmap.pcast(a, "i", to="unreduced").to(torch.int32), "i"), P("i"), P())
+    assert torch.equal(g(n), n.reshape(4, 2).sum(0).int())
 
 
 def test_boundary_errors():
