@@ -145,6 +145,9 @@ def _jvp_with_argnums(func, primals, tangents, argnums=None, *, strict=False, ha
         _cotangent_layout(t, ty[0] if ty else None, body) if isinstance(t, torch.Tensor) else t
         for t, ty in zip(tangents, [_to_phys(p)[1] for p in primals])
     )
+    # A stride-0 layout (an unmapped input under check_vma=False is expanded over the devices) cannot
+    # become a dual tensor ("more than one element ... refers to a single memory location"): own copies.
+    pprim, ptan = optree.tree_map(_dense, pprim, none_is_leaf=True), optree.tree_map(_dense, ptan, none_is_leaf=True)
     out = _Out()
     run = _physical(func, types, body, has_aux, out)
 
@@ -154,6 +157,10 @@ def _jvp_with_argnums(func, primals, tangents, argnums=None, *, strict=False, ha
     if has_aux:
         return val, tan, _from_phys(got[2], out.aux_types, body)
     return val, tan
+
+
+def _dense(t):
+    return t.contiguous() if isinstance(t, torch.Tensor) and 0 in t.stride() else t
 
 
 def _vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs):

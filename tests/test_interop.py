@@ -421,3 +421,19 @@ def test_vmap_in_a_body_reports_its_transposes_and_forward_mode_reports_a_collec
     with shmap.comm_log() as log:
         g(torch.randn(8, 3))
     assert log.count("psum") == 1
+
+
+def test_forward_mode_inside_an_unchecked_body_on_an_unmapped_input():
+    """check_vma=False expands an unmapped (P()) input over the devices with stride 0, which torch cannot
+    make a dual tensor of: jvp, jacfwd and hessian in the body raised "more than one element of the
+    written-to tensor refers to a single memory location"."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    w = torch.randn(3, dtype=torch.float64)
+    bodies = {
+        "jvp": (lambda u: torch.func.jvp(torch.sin, (u,), (torch.ones_like(u),))[1], torch.cos(w)),
+        "jacfwd": (lambda u: torch.func.jacfwd(torch.sin)(u).sum(0), torch.cos(w)),
+        "hessian": (lambda u: torch.func.hessian(lambda v: torch.sin(v).sum())(u).sum(0), -torch.sin(w)),
+    }
+    for name, (body, want) in bodies.items():
+        got = shmap.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(w)
+        torch.testing.assert_close(got, want, msg=name)
