@@ -229,8 +229,8 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     """
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
     grad = torch.is_grad_enabled() and block.requires_grad
-    if (spec.unreduced and grad) or not all(type(s) is int for s in logical_shape):
-        # A pending sum with a gradient, or symbolic sizes (torch.compile's dynamic shapes): DTensor's path.
+    if not all(type(s) is int for s in logical_shape):
+        # Symbolic sizes (torch.compile's dynamic shapes): DTensor's path.
         from torch.distributed.tensor import DTensor
 
         shape = global_shape(logical_shape, mesh, spec)
@@ -246,6 +246,19 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     if not grad:
         return new_dtensor(_alias(block), got[1])
     return _FromBlock.apply(block, got[1])
+
+
+def _cotangent_spec(dspec):
+    """Where an output's cotangent lives: as the output, but replicated along its pending-sum (`Partial`)
+    axes, since every term of a sum has the sum's cotangent."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if not any(isinstance(p, Partial) for p in dspec.placements):
+        return dspec
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    pls = tuple(Replicate() if isinstance(p, Partial) else p for p in dspec.placements)
+    return DTensorSpec(dspec.mesh, pls, tensor_meta=dspec.tensor_meta)
 
 
 def _alias(block):
@@ -299,7 +312,7 @@ class _FromBlock(_Function):
             ) from e
         if g is None:
             return None, None
-        want = ctx.dspec
+        want = _cotangent_spec(ctx.dspec)
         if not is_dtensor(g):  # the global cotangent every rank holds: this rank's block of it
             from torch.distributed.tensor import Replicate
             from torch.distributed.tensor._dtensor_spec import DTensorSpec
