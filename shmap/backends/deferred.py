@@ -101,6 +101,19 @@ class Deferred(torch.Tensor):
     def __repr__(self):
         return f"Deferred({self.wait()!r})"
 
+    # Reads torch refuses for any tensor subclass ("not supported for tensor subclasses"): a gradient that
+    # `torch.autograd.grad` hands back still on the wire (a closed-over weight's: no boundary node reads
+    # it) is read as its value.
+    def tolist(self):
+        return self.wait().tolist()
+
+    def numpy(self, *, force=False):
+        return self.wait().numpy(force=force)
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.wait().numpy()
+        return value if dtype is None else value.astype(dtype)
+
     def __reduce_ex__(self, protocol):
         """Pickled as its value (`torch.save` of a global loss still on the wire, say): the collective
         and its wait belong to this process."""

@@ -489,3 +489,16 @@ def recipe_step_collectives(mesh_flags):
             transports._start = start
         out[flag] = calls
     return out
+
+
+def closed_over_gradient_reads():
+    """`torch.autograd.grad` of a closed-over weight hands back its reduction still on the wire (no boundary
+    node reads it); `tolist`, `numpy` and `np.asarray` of it refused a tensor subclass -> their values."""
+    import numpy as np
+
+    mesh = shmap.make_mesh((torch.distributed.get_world_size(),), ("i",))
+    x = torch.arange(8.0, dtype=torch.float64).reshape(8, 1)
+    w = torch.tensor([0.5], dtype=torch.float64, requires_grad=True)
+    y = shmap.shard_map(lambda xb: shmap.psum((xb * w).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(x)
+    (g,) = torch.autograd.grad(y, w, torch.tensor(1.0, dtype=torch.float64))
+    return g.tolist(), g.numpy().tolist(), np.asarray(g).tolist(), g.item()

@@ -66,3 +66,8 @@ def test_training_steps_put_each_meshs_collectives_on_the_wire_once():
     fsdp = [kind for kind, _, _ in results[0]["fsdp=2,tensor=2"] if kind not in ("psum", "pmax", "pmin")]
     assert fsdp == ["all_gather", "psum_scatter"], (
         f"fsdp=2,tensor=2: {fsdp}, expected one all_gather (the weights) and one reduce-scatter")
+
+
+def test_a_closed_over_weights_gradient_reads_as_its_value():
+    for got in shmap.spawn(dist_deferred.closed_over_gradient_reads, nprocs=4, timeout=90):
+        assert got == ([28.0], [28.0], [28.0], 28.0)
