@@ -137,6 +137,8 @@ def validate(cfg: Config) -> Config:
     need(math.isfinite(cfg.clip) and cfg.clip >= 0,
          f"--clip {cfg.clip}: must be a finite number >= 0 (0 turns clipping off). Fix: e.g. --clip 1.0.")
     need(cfg.warmup >= 0, f"--warmup {cfg.warmup}: must be >= 0.")
+    need(0 <= cfg.seed < 2 ** 32, f"--seed {cfg.seed}: must be in [0, 2**32) (it seeds torch's generators, "
+                                  "scaled per use). Fix: e.g. --seed 0.")
     need(cfg.checkpoint_every >= 0 and cfg.eval_every >= 0, "--checkpoint-every / --eval-every must be >= 0.")
     need(cfg.eval_batches >= 1, f"--eval-batches {cfg.eval_batches}: must be >= 1 (the validation loss averages "
                                 "that many batches).")

@@ -192,7 +192,7 @@ def train(cfg: Config, log=print) -> dict:
     params, opt, start = run.init_or_resume(log)
     out = Path(cfg.out) if cfg.out else None
     if out is not None and main_rank:
-        keep_metrics_before(out / "metrics.jsonl", start)  # a resumed run rewrites what came after
+        keep_metrics_before(out / "metrics.jsonl", start, cfg.steps)  # a resumed run rewrites what came after
     bar = None
     if cfg.progress and main_rank:
         from tqdm.auto import tqdm

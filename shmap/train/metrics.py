@@ -117,10 +117,15 @@ def check_output_dirs(cfg: Config):
                           "Fix: another (or an emptied) --out, or --resume to continue that run.")
 
 
-def keep_metrics_before(path: Path, start: int):
+def keep_metrics_before(path: Path, start: int, end: int | None = None):
     """Keep the lines of an earlier run's metrics before the step this one starts from (none, fresh): its
     training lines before `start`, its validation lines up to it (the state after `start` steps, which the
-    resumed run does not evaluate again).  A partial last line (a crash mid-write) is dropped."""
+    resumed run does not evaluate again, unless it is the run's last, `end`: its final evaluation writes
+    that line again).  A partial last line (a crash mid-write) is dropped."""
+    if end is not None and start >= end:
+        start_val = start - 1  # (a finished run resumed: its final validation line comes again)
+    else:
+        start_val = start
     if not path.exists():
         return
     kept = []
@@ -130,7 +135,7 @@ def keep_metrics_before(path: Path, start: int):
         except ValueError:
             continue
         step = rec.get("step", start) if isinstance(rec, dict) else start
-        if step < start or ("val_loss" in rec and step == start):
+        if step < start or ("val_loss" in rec and step <= start_val):
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 

@@ -72,7 +72,8 @@ def adam_apply(cfg: Config, param, grad, mu, nu, step_size, bias2_sqrt):
 
 
 def learning_rate(cfg: Config, step: int) -> float:
-    """Linear warmup to `cfg.lr`, then cosine decay to `min_lr_ratio * lr` at the last step (host math)."""
+    """Linear warmup to `cfg.lr` (reached at step `warmup - 1`), then cosine decay from step `warmup`, to
+    `min_lr_ratio * lr` at step `steps` (the state after the last update; host math)."""
     if cfg.warmup and step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     span = max(1, cfg.steps - cfg.warmup)

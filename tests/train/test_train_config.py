@@ -74,6 +74,9 @@ def test_the_command_line_maps_onto_the_config():
     (dict(lr=1e39, dtype="float32"), "--lr 1e+39: Adam's first step moves each parameter by up to lr / (1 - beta1) = 1e+40, more "
                     "than the largest float32"),
     (dict(lr=1e39, dtype="bfloat16"), "the parameters are float32). Fix: a learning rate such as 0.003"),
+    # (a seed past ~1.8e13 overflowed in the data order's generator, with a raw ValueError)
+    (dict(seed=9223372036854775807), "--seed 9223372036854775807: must be in [0, 2**32)"),
+    (dict(seed=-1), "--seed -1: must be in [0, 2**32)"),
 ])
 def test_numbers_the_run_cannot_use_are_refused_naming_the_flag(kw, words):
     with pytest.raises(ConfigError, match=re.escape(words)):

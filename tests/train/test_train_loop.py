@@ -220,7 +220,18 @@ def test_a_resumed_runs_metrics_equal_the_uninterrupted_runs(tmp_path):
     assert [r["step"] for r in got if "train_loss" in r] == list(range(6))
     # (resuming a float64 state in float32 is allowed, and said)
     assert any("note: this run changes --dtype float32 (the checkpoint's run: float64), --lr 0.002 (the "
-               "checkpoint's run: 0.003)" in line for line in said), said
+               "checkpoint's run: 0.003), --steps 6 (the checkpoint's run: 3)" in line for line in said), said
+
+
+def test_resuming_a_finished_run_writes_its_final_validation_once(tmp_path):
+    """It evaluates the final state again: the earlier run's final line was kept too (a copy per resume)."""
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    loop.train(tiny("none", steps=2, checkpoint_dir=str(ck), out=str(out)), **QUIET)
+    for _ in range(2):
+        loop.train(tiny("none", steps=2, checkpoint_dir=str(ck), out=str(out), resume=True), **QUIET)
+    rows = [json.loads(t) for t in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2]
+    assert [r["step"] for r in rows if "train_loss" in r] == [0, 1]
 
 
 def test_a_resumed_runs_metrics_continue_without_repeats(tmp_path, monkeypatch):

@@ -45,3 +45,12 @@ def test_a_resumed_run_keeps_the_lines_before_its_start(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 3, "tr')
     metrics.keep_metrics_before(path, 2)
     assert metrics.read_history(path) == lines[:3]
+
+
+def test_a_finished_run_resumed_drops_its_final_validation_line(tmp_path):
+    """Resumed at its last step (start == end), a run evaluates that state again and writes the line anew."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "train_loss": 3.0}, {"step": 1, "train_loss": 2.5}, {"step": 2, "val_loss": 2.4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    metrics.keep_metrics_before(path, 2, end=2)
+    assert metrics.read_history(path) == lines[:2]
