@@ -265,13 +265,13 @@ for _m, _what in ((_T.__bool__, "Python control flow (`if`/`while`/`bool()`) on 
 
 
 def _writes_shared(written, flag, default, what, fix=""):
-    """Functions that write some of their tensor arguments as a side effect (`written`: their positions and
-    names), when `flag` (position, name) is set: BatchNorm's running statistics in training mode, an
-    embedding's rows renormalised by `max_norm`.  Written from values that vary across the devices, a tensor
-    every device shares (closed over, or invariant) would be written by each device differently: one copy for
-    all on the simulated mesh, one per process on a distributed one.  Refused on both meshes, before the op
-    writes anything.  (A varying target made in the body is each device's own; an argument is read-only, as for any
-    in-place op.)"""
+    """Functions that write some of their tensor arguments as a side effect (`written`: their positions
+    and names), when `flag` (position, name) is set: BatchNorm's running statistics in training mode, an
+    embedding's rows renormalised by `max_norm`.  Written from values that vary across the devices, a
+    tensor every device shares (closed over, or invariant) would be written by each device differently:
+    one copy for all on the simulated mesh, one per process on a distributed one.  Refused on both
+    meshes, before the op writes anything.  (A varying target made in the body is each device's own; an
+    argument is read-only, as for any in-place op.)"""
     def check(func, args, kwargs):
         on = args[flag[0]] if len(args) > flag[0] else kwargs.get(flag[1], default)
         if on is not None and on is not False:
@@ -298,8 +298,8 @@ for _m, _written, _flag, _default, _what, *_fix in (
          "InstanceNorm's running statistics with track_running_stats"),
         (torch.instance_norm, ((3, "running_mean"), (4, "running_var")), (5, "use_input_stats"), True,
          "InstanceNorm's running statistics with track_running_stats"),
-        (_F.embedding, ((1, "weight"),), (3, "max_norm"), None, "an nn.Embedding's weight, whose rows max_norm "
-         "renormalises in place", "renormalise the weight before the shard_map (torch.embedding_renorm_ with the "
-         "indices of every device) and drop max_norm, or renormalise a weight of each device's own (varying, made in "
-         "the body).")):
+        (_F.embedding, ((1, "weight"),), (3, "max_norm"), None,
+         "an nn.Embedding's weight, whose rows max_norm renormalises in place",
+         "renormalise the weight before the shard_map (torch.embedding_renorm_ with the indices of every "
+         "device) and drop max_norm, or renormalise a weight of each device's own (varying, made in the body).")):
     _SPECIAL[_m] = _writes_shared(_written, _flag, _default, _what, *_fix)

@@ -528,7 +528,8 @@ def read_only_arguments():
     f = shmap.shard_map(writes_its_pvary, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))
     got = _value(torch.compile(f, backend="aot_eager")(torch.arange(4.0), w))
     if not torch.equal(got, torch.arange(4.0)) or not torch.equal(w, torch.zeros(2)):
-        bad.append(f"pvary then in place: output {got.tolist()}, the caller's w {w.tolist()} (want [0, 1, 2, 3], zeros)")
+        bad.append(f"pvary then in place: output {got.tolist()}, the caller's w {w.tolist()} "
+                   "(want [0, 1, 2, 3], zeros)")
     scale = {"s": 2.0}
     g = torch.compile(shmap.shard_map(lambda v: shmap.psum(v * scale["s"], "i"), mesh=mesh, in_specs=P("i"),
                                       out_specs=P()), backend="aot_eager")

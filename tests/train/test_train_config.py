@@ -71,8 +71,9 @@ def test_the_command_line_maps_onto_the_config():
     (dict(sample_len=-5), "--sample-len -5: must be >= 0"),
     (dict(checkpoint_every=2), "--checkpoint-every 2 needs --checkpoint-dir"),
     # (an Adam step past float32's range overflowed in torch.optim's arithmetic, with torch's message)
-    (dict(lr=1e39, dtype="float32"), "--lr 1e+39: Adam's first step moves each parameter by up to lr / (1 - beta1) = 1e+40, more "
-                    "than the largest float32"),
+    (dict(lr=1e39, dtype="float32"),
+     "--lr 1e+39: Adam's first step moves each parameter by up to lr / (1 - beta1) = 1e+40, more than the largest "
+     "float32"),
     (dict(lr=1e39, dtype="bfloat16"), "the parameters are float32). Fix: a learning rate such as 0.003"),
     # (a seed past ~1.8e13 overflowed in the data order's generator, with a raw ValueError)
     (dict(seed=9223372036854775807), "--seed 9223372036854775807: must be in [0, 2**32)"),
