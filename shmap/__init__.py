@@ -49,7 +49,8 @@ from .backends.watchdog import (
     configure_distributed,
     shutdown_distributed,
 )
-from .dtensor import device_put, visualize_sharding
+from .dtensor import device_put
+from .visualize import visualize_sharding
 from .launch import SpawnError, spawn
 from . import kernels  # noqa: E402  (remote copies, semaphores, the verifying interpreter)
 

@@ -229,10 +229,41 @@ def _assemble_blocks(block, backend, spec, body):
 
 def check_dtensor_layout(x, mesh, spec, expected):
     """Raise if DTensor `x` is not laid out as `spec` on `mesh` (placements `expected`)."""
-    if x.device_mesh != mesh.device_mesh or tuple(x.placements) != tuple(expected):
+    dm = mesh.device_mesh
+    if x.device_mesh != dm:
+        # (DeviceMesh's repr shows neither the rank order nor always the names: say what differs)
+        theirs, ours = x.device_mesh, dm
+        raise SpecError(
+            f"shard_map: a DTensor argument lives on another DeviceMesh than mesh {mesh.describe()}'s: ranks "
+            f"{theirs.mesh.tolist()} with dims {theirs.mesh_dim_names}, where the mesh has ranks "
+            f"{ours.mesh.tolist()} with dims {ours.mesh_dim_names}. A DTensor is used in place only on the "
+            f"shard_map's mesh. Fix: move it there first, `x = shmap.device_put(x, mesh, {spec})`."
+        )
+    if tuple(x.placements) != tuple(expected):
         raise SpecError(
             f"shard_map: a DTensor argument is laid out as {tuple(x.placements)} on {x.device_mesh}, but its "
             f"in_spec {spec} on mesh {mesh.describe()} needs {tuple(expected)}. A DTensor is used in place only "
             "when its layout matches. Fix: reshard it explicitly first, "
             f"`x = shmap.device_put(x, mesh, {spec})`, or change the in_spec to match."
+        )
+
+
+def check_local_shape(x, mesh, spec):
+    """Raise if DTensor `x`'s local tensor is not its global shape cut by `spec` (a DTensor built with
+    `from_local` from blocks of other shapes: its ranks would run the body on blocks of different shapes,
+    and the outputs' global shapes would differ by rank)."""
+    want = list(x.shape)
+    for d in range(len(spec)):
+        n = 1
+        for a in spec.dim_axes(d):
+            n *= mesh.shape[a]
+        want[d] //= n
+    local = x._local_tensor
+    if tuple(local.shape) != tuple(want):
+        raise SpecError(
+            f"shard_map: a DTensor argument of global shape {tuple(x.shape)} laid out as {spec} holds a local "
+            f"tensor of shape {tuple(local.shape)} on rank {mesh.device_mesh.get_rank()}, but that layout's "
+            f"blocks are {tuple(want)} (the global shape divided by the mesh axes each dimension is split "
+            "over). Fix: build it with blocks of that shape (DTensor.from_local(..., shape=...) takes the "
+            "blocks as they are), or pass the global tensor and let shard_map cut it."
         )

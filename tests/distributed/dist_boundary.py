@@ -306,3 +306,30 @@ def strided_three_axes():
         if not torch.equal(out2.full_tensor(), want2):
             bad.append(f"{spec}: psum over ('k', 'i') {out2.full_tensor().flatten().tolist()}")
     return bad
+
+
+def malformed_dtensors():
+    """On mesh (i=2, j=2): a DTensor whose local blocks are not its global shape cut by the spec (built with
+    from_local from blocks of other shapes: it ran the body on blocks of different shapes per rank) and a
+    DTensor on another DeviceMesh (the message showed two identical-looking layouts) -> the messages."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = shmap.make_mesh((2, 2), ("i", "j"))
+    dm = mesh.device_mesh
+    rows = 3 if dm.get_coordinate()[0] == 0 else 1
+    bad = DTensor.from_local(torch.ones(rows, 2), dm, [Shard(0), Shard(1)], run_check=False,
+                             shape=torch.Size([4, 4]), stride=(4, 1))
+    f = shmap.shard_map(lambda b: b * 2, mesh=mesh, in_specs=P("i", "j"), out_specs=P("i", "j"))
+    out = []
+    for x in (bad, DTensor.from_local(torch.ones(2, 2), DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("i", "j")),
+                                      [Shard(0), Shard(1)], run_check=False, shape=torch.Size([4, 4]),
+                                      stride=(4, 1))):
+        try:
+            f(x)
+            out.append("accepted")
+        except shmap.SpecError as e:
+            out.append(str(e))
+    good = shmap.device_put(torch.arange(16.0).reshape(4, 4), mesh, P("i", "j"))  # (a well-formed one still runs)
+    out.append(torch.equal(f(good).full_tensor(), torch.arange(16.0).reshape(4, 4) * 2))
+    return out

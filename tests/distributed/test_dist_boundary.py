@@ -83,3 +83,13 @@ def test_visualize_sharding_draws_which_device_holds_which_block():
     for bad in [(2.5, 4), (-4, 2), [4, "2"], "ab", 5]:
         with pytest.raises(TypeError, match=r"visualize_sharding: x must be a tensor, a DTensor or a shape"):
             shmap.visualize_sharding(bad, mesh, P("i"))
+
+
+def test_malformed_or_foreign_dtensor_arguments_are_refused_saying_why():
+    for shape_msg, mesh_msg, good in shmap.spawn(dist_boundary.malformed_dtensors, nprocs=4, timeout=90):
+        assert ("a DTensor argument of global shape (4, 4) laid out as P('i', 'j') holds a local tensor of "
+                "shape") in shape_msg
+        assert "but that layout's blocks are (2, 2)" in shape_msg, shape_msg
+        assert "lives on another DeviceMesh than mesh (i=2, j=2)'s: ranks [[0, 2], [1, 3]]" in mesh_msg, mesh_msg
+        assert "Fix: move it there first, `x = shmap.device_put(x, mesh, P('i', 'j'))`" in mesh_msg
+        assert good is True
