@@ -142,8 +142,11 @@ def _died(code) -> str:
             msg += ("; if its stderr shows gloo's 'Received data size doesn't match expected size' (or "
                     "'op.preamble.length <= op.nbytes'), a peer sent it a larger block than it expected: the "
                     "ranks called a ppermute or all_to_all with different shapes (a sender with nothing to "
-                    "receive cannot notice), or a shard_map output has a different shape on different ranks "
-                    "(unique, nonzero, a boolean mask), which DTensor's full_tensor() then gathers")
+                    "receive cannot notice), a backward pass's gradient reduction differs between the ranks (a "
+                    "replicated weight of different shapes on different ranks, a weight used on some ranks "
+                    "only, a rank that skipped backward()), or a shard_map output has a different shape on "
+                    "different ranks (unique, nonzero, a boolean mask), which DTensor's full_tensor() then "
+                    "gathers")
     return msg
 
 

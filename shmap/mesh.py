@@ -7,6 +7,7 @@ depend on it without pulling in execution.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Iterable, Sequence
 
@@ -288,6 +289,56 @@ def _real_world() -> bool:
     return _dist_initialized() and str(dist.get_backend()).lower() != "fake"
 
 
+def _agree_on_mesh(shape, names, device_type):
+    """Every rank must build the same distributed meshes, in the same order, under the same guard
+    settings: each posts its mesh (and the settings that shape the wire) to the store and compares them
+    with the others' before any process group is made.  Ranks that differ waited in DeviceMesh's group
+    creation until the store's timeout (30 min under torchrun) with a raw DistStoreError, or, with
+    different settings, aborted in gloo; now every rank raises naming each rank's mesh."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from .backends.config import _OPTIONS
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a world without a default store: nothing to compare through
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = next(_MESH_COUNT)
+    settings = {k: _OPTIONS[k] for k in ("check_collectives", "transport", "bucket_bytes", "first_bucket_bytes")}
+    mine = f"mesh {tuple(shape)} {tuple(names)} on {device_type}; settings {settings}"
+    keys = [f"shmap/make_mesh/{n}/{r}" for r in range(world)]
+    store.set(keys[rank], mine)
+    timeout = _OPTIONS["timeout"] or 300.0
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - DistStoreError: some rank never got here
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"make_mesh: rank(s) {missing} did not build distributed mesh #{n + 1} of this program within "
+            f"{timeout:g} s (this rank: {mine}). Every rank must build the same meshes in the same order "
+            "(a rank that returned early, or builds its meshes in another order, leaves the others here). "
+            "Fix: make every rank run the same make_mesh calls."
+        ) from None
+    theirs = [v.decode() for v in store.multi_get(keys)]
+    if len(set(theirs)) > 1:
+        groups = {}
+        for r, v in enumerate(theirs):
+            groups.setdefault(v, []).append(r)
+        listed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
+                           for v, rs in groups.items())
+        raise ValueError(
+            f"make_mesh: the ranks build different distributed meshes (#{n + 1} of this program): {listed}. "
+            "Every rank must build the same meshes in the same order, under the same configure_distributed "
+            "settings (they shape what goes on the wire). Fix: make the ranks agree."
+        )
+
+
+_MESH_COUNT = itertools.count()  #: this process's distributed meshes, in order
+
+
 #: (shape, names, device type) -> (world group, Mesh): a DeviceMesh creates
 #: process groups (a collective over the world), so each mesh is built once per world.
 _WORLD_MESHES: dict = {}
@@ -328,6 +379,7 @@ def _world_mesh(shape, names, device) -> Mesh:
         # Real process groups and tensors, also when the first call is traced by torch.compile (a pmap
         # smaller than the world builds its mesh there): every rank traces the same program, in step.
         with _disable_current_modes():
+            _agree_on_mesh(shape, names, device.type)
             dm = init_device_mesh(device.type, shape, mesh_dim_names=names)
             got = Mesh(torch.arange(n).reshape(shape), names, device=device, device_mesh=dm)
             _WORLD_MESHES[key] = (dist.group.WORLD, got)

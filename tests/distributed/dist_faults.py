@@ -294,3 +294,20 @@ def shm_unchecked_peer_raises():
         raise ValueError("rank 1 fails on purpose")
     f(torch.ones(8))
     return "finished"
+
+
+def different_meshes(bad_rank):
+    """`bad_rank` builds another mesh than the others: they waited in DeviceMesh's group creation for the
+    store's timeout (30 min under torchrun), then a raw DistStoreError."""
+    shape, names = ((1, 2), ("a", "i")) if _rank() == bad_rank else ((2,), ("i",))
+    shmap.make_mesh(shape, names)
+    return "finished"
+
+
+def different_settings(bad_rank):
+    """`bad_rank` turns the signature checks off before its mesh: the payloads differ in size and gloo
+    aborted a rank."""
+    if _rank() == bad_rank:
+        shmap.configure_distributed(check_collectives=False)
+    _mesh()
+    return "finished"

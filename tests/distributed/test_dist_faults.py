@@ -169,3 +169,17 @@ def test_the_shm_transport_waits_take_the_configured_timeout():
     err = run_failing(dist_faults.shm_unchecked_peer_raises, nprocs=2)
     name, msg, _ = err.errors[0]
     assert name == "KernelTimeoutError" and "within 3.0 s" in msg, err
+
+
+@pytest.mark.parametrize("fn, words", [
+    (dist_faults.different_meshes, ["rank 0: mesh (2,) ('i',) on cpu", "rank 1: mesh (1, 2) ('a', 'i') on cpu"]),
+    (dist_faults.different_settings, ["'check_collectives': True", "'check_collectives': False"]),
+])
+def test_ranks_that_build_different_meshes_or_settings_are_told_at_make_mesh(fn, words):
+    """They waited in DeviceMesh's group creation for the store's timeout (30 min under torchrun), or gloo
+    aborted one; now every rank raises at make_mesh, naming each rank's mesh."""
+    err = run_failing(fn, 1, nprocs=2)
+    assert len(err.errors) == 2, err
+    for name, msg, _ in err.errors.values():
+        assert name == "ValueError" and "make_mesh: the ranks build different distributed meshes" in msg, msg
+        assert all(w in msg for w in words), msg
