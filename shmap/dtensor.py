@@ -166,11 +166,15 @@ def local_block(x, mesh: Mesh, spec: PartitionSpec):
 
         check_dtensor_layout(x, mesh, spec, pls)
     key = (id(mesh), spec, x.shape, x._local_tensor.shape)
-    if key not in _LOCAL_OK:  # (one dict lookup per argument once seen)
+    try:
+        seen = key in _LOCAL_OK  # (one set lookup per argument once seen)
+    except TypeError:  # symbolic sizes (torch.compile's dynamic shapes) do not hash
+        seen = key = None
+    if not seen:
         from .backends.boundary import check_local_shape
 
         check_local_shape(x, mesh, spec)
-        if len(_LOCAL_OK) < 4096:
+        if key is not None and len(_LOCAL_OK) < 4096:
             _LOCAL_OK.add(key)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return x._local_tensor
