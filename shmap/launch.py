@@ -150,10 +150,20 @@ def _died(code) -> str:
     return msg
 
 
+#: what gloo says when a peer went away while this rank waited for it (a collective of torch.distributed's
+#: or DTensor's own, which shmap's guard does not watch): the rank is a victim, not the cause
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_gone(name, msg) -> bool:
+    return name == "RuntimeError" and any(p in msg for p in _PEER_GONE)
+
+
 def _summary(errors, nprocs, results=()) -> str:
     def key(item):
-        name = item[1][0]
-        secondary = name in ("RankFailedError", "CollectiveTimeoutError", "Killed", "ProcessDied")
+        name, msg = item[1][0], item[1][1]
+        secondary = name in ("RankFailedError", "CollectiveTimeoutError", "Killed", "ProcessDied") or \
+            _peer_gone(name, msg)
         return (secondary, item[0])
 
     lines = [f"shmap.spawn: {len(errors)} of {nprocs} ranks failed:"]
@@ -166,6 +176,10 @@ def _summary(errors, nprocs, results=()) -> str:
         if named:
             lines.append(f"  rank {r}: returned early: the others still waited for it in a collective "
                          "(it skipped collectives they called)")
+        elif any(_peer_gone(name, m) for name, m, _ in errors.values()):
+            lines.append(f"  rank {r}: returned while others were in a collective with it (gloo: its connection "
+                         "closed): it likely skipped a collective they called, one of torch.distributed's or "
+                         "DTensor's own (full_tensor, a checkpoint save), which shmap's guard does not watch")
     root = sorted(errors.items(), key=key)[0]
     if root[1][2]:
         lines.append(f"traceback of rank {root[0]}:\n{root[1][2]}")

@@ -311,3 +311,14 @@ def different_settings(bad_rank):
         shmap.configure_distributed(check_collectives=False)
     _mesh()
     return "finished"
+
+
+def leave_before_full_tensor(bad_rank, how):
+    """The others wait in DTensor's own all_gather (full_tensor), which shmap's guard does not watch, while
+    `bad_rank` raises (they get gloo's 'Connection closed by peer') or returns."""
+    out = shmap.shard_map(lambda x: x * 2, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))(torch.ones(8))
+    if _rank() == bad_rank:
+        if how == "raise":
+            raise ValueError("raised before full_tensor on purpose")
+        return "left"
+    return out.full_tensor().tolist()

@@ -183,3 +183,23 @@ def test_ranks_that_build_different_meshes_or_settings_are_told_at_make_mesh(fn,
     for name, msg, _ in err.errors.values():
         assert name == "ValueError" and "make_mesh: the ranks build different distributed meshes" in msg, msg
         assert all(w in msg for w in words), msg
+
+
+def test_a_culprit_outside_shmaps_collectives_is_named_first():
+    """A peer that raised or returned while the others waited in DTensor's own collective: the victims'
+    gloo errors came first in spawn's summary (with their traceback), and a returned rank was not named."""
+    err = run_failing(dist_faults.leave_before_full_tensor, 1, "raise", nprocs=2)  # (as a return: see below)
+    first = str(err).splitlines()[1]
+    assert first.startswith("  rank 1: ValueError: raised before full_tensor on purpose"), str(err)
+    assert "traceback of rank 1:" in str(err)
+
+
+def test_a_rank_that_returned_while_others_lost_their_connection_is_named():
+    """(spawn's summary of such a run: the returned rank was not mentioned.  The run itself waits for the
+    process group's timeout when the returned rank's process stays up: here its summary alone.)"""
+    from shmap.launch import _summary
+
+    gone = ("RuntimeError", "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242.", "tb0")
+    text = _summary({0: gone}, 2, results={1: "left"})
+    assert "rank 1: returned while others were in a collective with it (gloo: its connection closed)" in text
+    assert "rank 1:" not in _summary({0: ("ValueError", "bad", "tb")}, 2, results={1: "left"})
