@@ -173,7 +173,12 @@ def _summary(errors, nprocs, results=()) -> str:
     for r in sorted(results):
         # A rank that returned while the others failed: name it if they say it ended without them.
         named = any(re.search(rf"\branks? (?:\d+, )*{r}\b[^\n]*finished the program", m) for _, m, _ in errors.values())
-        if named:
+        odd = [m.group(1) for _, msg, _ in errors.values() for m in [re.search(r"Rank (\d+) is the odd one out", msg)]
+               if m]
+        if named and odd:
+            lines.append(f"  rank {r}: returned after its program's last collective, while rank {odd[0]} went on "
+                         f"to another: rank {odd[0]} likely ran collectives the others never call")
+        elif named:
             lines.append(f"  rank {r}: returned early: the others still waited for it in a collective "
                          "(it skipped collectives they called)")
         elif any(_peer_gone(name, m) for name, m, _ in errors.values()):

@@ -10,6 +10,7 @@ the ranks that never arrived and what each waiting rank waits for.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import traceback
@@ -19,6 +20,9 @@ import torch
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 from .config import _OPTIONS, _POLL
 from .signatures import describe
+
+#: how a finished rank's report names the collective it finished after (watchdog.report_exit)
+_AFTER = re.compile(r"after collective #(\d+)")
 
 #: guards the creation of this process's guard (`watchdog.watch`) and of the waiter thread
 _WATCH_LOCK = threading.Lock()
@@ -205,13 +209,31 @@ class WatchedWaits:
             lines = "\n".join(f"  rank {r}: {v[1]}" for r, v in sorted(exited.items()))
             raise RankFailedError(
                 f"distributed mesh: rank {self.rank} waits in {what}, but {_ranks(list(exited))} of its group "
-                f"finished the program without calling it:\n{lines}\n"
-                "The ranks ran different programs (a collective called on some ranks only, or a rank that "
-                "returned early). Fix: make every rank call the same collectives."
+                f"finished the program without calling it:\n{lines}\n" + self._odd_one_out(exited, ranks)
+                + "Fix: make every rank call the same collectives."
             )
         if now - t0 > self.timeout:
             self.poisoned = True
             raise CollectiveTimeoutError(self._timeout_message(what, ranks, now - t0))
+
+    def _odd_one_out(self, exited, ranks) -> str:
+        """Who more likely ran the other program: when most of the group finished together, after
+        the same collective, and this rank is past it, this rank ran collectives they never call (a
+        shard_map run more times on it); naming them "returned early" blamed the ranks that were right."""
+        counts = set()
+        for _, text, _ in exited.values():
+            m = _AFTER.search(text)
+            counts.add(int(m.group(1)) if m else None)
+        group = self.world if ranks is None else len(ranks)
+        mine = self.current[0] if self.current else None
+        if len(counts) == 1 and None not in counts and mine is not None and mine > min(counts) \
+                and 2 * len(exited) > group:  # (a strict majority: with 2 ranks either may be the odd one)
+            return (f"Rank {self.rank} is the odd one out: {len(exited)} of the {group} ranks of its group finished "
+                    f"together after collective #{min(counts)}, and this rank went on to #{mine}, so it likely "
+                    "calls collectives they never call (a shard_map or a collective run more times on it); "
+                    "if not, they returned early. ")
+        return ("The ranks ran different programs (a collective called on some ranks only, or a rank that "
+                "returned early). ")
 
     def _failed_message(self, failed, what):
         root = sorted(r for r, v in failed.items() if v[0] == "failed")

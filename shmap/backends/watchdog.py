@@ -255,7 +255,9 @@ def exit_barrier() -> bool:
         failed = sorted(r for r, v in w.events.items() if v[0].startswith("failed"))
         if failed:
             me = re.compile(rf"\branks? (?:\d+, )*{w.rank}\b")
-            if any(me.search(w.events[r][1]) for r in failed):
+            if any("is the odd one out" in w.events[r][1] for r in failed):
+                who = "waiting in a collective this rank never calls (it likely ran collectives the others never call)"
+            elif any(me.search(w.events[r][1]) for r in failed):
                 who = "because this rank ended early (it skipped collectives the others called)"
             else:
                 who = "after this rank finished"

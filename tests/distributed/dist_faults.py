@@ -322,3 +322,14 @@ def leave_before_full_tensor(bad_rank, how):
             raise ValueError("raised before full_tensor on purpose")
         return "left"
     return out.full_tensor().tolist()
+
+
+def extra_shard_map(bad_rank):
+    """`bad_rank` calls the shard_map a second time; the others once, then return: the others, who were
+    right, were named "returned early"."""
+    f = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=_mesh(), in_specs=P("i"), out_specs=P())
+    x = torch.ones(2 * torch.distributed.get_world_size())
+    f(x)
+    if _rank() == bad_rank:
+        f(x)
+    return "finished"

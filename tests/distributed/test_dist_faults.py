@@ -203,3 +203,12 @@ def test_a_rank_that_returned_while_others_lost_their_connection_is_named():
     text = _summary({0: gone}, 2, results={1: "left"})
     assert "rank 1: returned while others were in a collective with it (gloo: its connection closed)" in text
     assert "rank 1:" not in _summary({0: ("ValueError", "bad", "tb")}, 2, results={1: "left"})
+
+
+def test_the_rank_that_runs_an_extra_collective_is_named_not_the_majority():
+    err = run_failing(dist_faults.extra_shard_map, 1, nprocs=3)
+    name, msg, _ = err.errors[1]
+    assert name == "RankFailedError" and "Rank 1 is the odd one out: 2 of the 3 ranks of its group finished " \
+        "together after collective #1, and this rank went on to #2" in msg, msg
+    assert "rank 0: returned after its program's last collective, while rank 1 went on to another" in str(err)
+    assert "returned early: the others" not in str(err)  # (spawn's label for a rank that skipped collectives)
