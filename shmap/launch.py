@@ -133,6 +133,10 @@ def _died(code) -> str:
     import signal
 
     msg = f"exited with code {code} without a result"
+    if code == 1:
+        msg += ("; if no rank said why, the calling script may lack an `if __name__ == '__main__':` guard: each "
+                "rank starts by importing it, as multiprocessing does, and its top level then calls spawn again "
+                "(which multiprocessing refuses). Fix: put the spawn call under that guard")
     if code is not None and code < 0:
         try:
             msg += f" (killed by {signal.Signals(-code).name})"

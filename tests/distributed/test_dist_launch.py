@@ -165,3 +165,14 @@ def test_configure_distributed_validates_and_returns_the_previous_settings():
     finally:
         from shmap.backends import watchdog
         watchdog._OPTIONS.update(prev)
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """Each rank imports the calling script first (multiprocessing's start), whose top level then calls
+    spawn again: every rank was 'exited with code 1 without a result', the cause only in stderr."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("import os\nimport shmap\n\ndef f():\n    return os.getpid()\n\nshmap.spawn(f, nprocs=2, timeout=30)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "the calling script may lack an `if __name__ == '__main__':` guard" in p.stderr, p.stderr[-3000:]
