@@ -171,7 +171,8 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     """Each rank imports the calling script first (multiprocessing's start), whose top level then calls
     spawn again: every rank was 'exited with code 1 without a result', the cause only in stderr."""
     script = tmp_path / "no_guard.py"
-    script.write_text("import os\nimport shmap\n\ndef f():\n    return os.getpid()\n\nshmap.spawn(f, nprocs=2, timeout=30)\n")
+    script.write_text("import os\nimport shmap\n\ndef f():\n    return os.getpid()\n\n"
+                      "shmap.spawn(f, nprocs=2, timeout=30)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
