@@ -128,6 +128,8 @@ def _foreach(func, args, kwargs):
             func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
             for x in args[0]:
                 x._lifts = None
+                if x._source is not None:  # (`[p.data for p in ...]`: see tensor._dispatch)
+                    x._source._lifts = None
             return None
     op = _per_tensor_op(name)
     if name.rstrip("_") in _VALUE_KEYWORD and len(args) > 3:

@@ -47,9 +47,29 @@ def _grad_get(func, args, kwargs):
     return None if g is None else ShTensor(g, x._paxes, x._vma, x._body)
 
 
+def _grad_set(func, args, kwargs):
+    """`x.grad = g` (`opt.zero_grad()` sets None): the physical tensor's gradient; it was ignored (set on
+    the wrapper), so the next backward accumulated onto the old gradient."""
+    x, g = args[0], args[1]
+    if g is not None:
+        g = to_layout(g, x)
+        if 0 in g.stride():  # (an invariant gradient of a varying value: each device's own copy to accumulate into)
+            g = g.contiguous()
+    x._phys.grad = g
+
+
 def _data_get(func, args, kwargs):
     x = args[0]
-    return ShTensor(x._phys.data, x._paxes, x._vma, x._body)
+    r = ShTensor(x._phys.data, x._paxes, x._vma, x._body)
+    r._source = x  # (an in-place update through it makes x's memoised lifts stale: tensor._dispatch)
+    return r
+
+
+def _data_set(func, args, kwargs):
+    """`x.data = t`: the physical tensor's data (it was set on the wrapper, and ignored)."""
+    x = args[0]
+    x._phys.data = to_layout(args[1], x)
+    x._lifts = None
 
 
 def _requires_grad_(func, args, kwargs):
@@ -229,6 +249,8 @@ for _name in ("requires_grad", "grad_fn", "is_leaf"):
 _SPECIAL[_T.to] = _to
 _SPECIAL[_T.grad.__get__] = _grad_get
 _SPECIAL[_T.data.__get__] = _data_get
+_SPECIAL[_T.grad.__set__] = _grad_set
+_SPECIAL[_T.data.__set__] = _data_set
 _SPECIAL[_T.requires_grad_] = _requires_grad_
 _SPECIAL[_T.retain_grad] = _retain_grad
 _SPECIAL[_T.requires_grad.__set__] = _requires_grad_set

@@ -68,7 +68,8 @@ class ShTensor(torch.Tensor):
     """A per-device value inside a shard_map body (simulated mesh)."""
 
     # Defaults read from the class until set: a body makes a value per op, and a step makes hundreds.
-    _lifts = None  # {(target vma, grad mode): lifted physical tensor} (`lift`)
+    _lifts = None  # {(target vma, grad mode): (version, lifted physical tensor)} (`lift`)
+    _source = None  # the value whose `.data` this is (`special._data_get`): its lifts go stale with this
     _unreduced = frozenset()  # the subset of _vma along which the value is a pending sum
 
     @staticmethod
@@ -168,17 +169,17 @@ def lift(x, target: frozenset, body, dtype=None):
             x._lifts = {}
         key = (target, grad) if dtype is None else (target, grad, dtype)
         got = x._lifts.get(key)
-        if got is None:
+        version = x._phys._version  # (an update through a view or detach() shares it: the lift is stale)
+        if got is None or got[0] != version:
             phys = x._phys if dtype is None else x._phys.to(dtype)
-            got = _lift_phys(phys, x.shape, added, body)
-            x._lifts[key] = got
-        return got
+            got = x._lifts[key] = (version, _lift_phys(phys, x.shape, added, body))
+        return got[1]
     key = (id(x), target, grad) if dtype is None else (id(x), target, grad, dtype)
     got = body.lift_cache.get(key)
-    if got is None or got[0] is not x:
-        got = (x, _lift_phys(x if dtype is None else x.to(dtype), x.shape, target, body))
+    if got is None or got[0] is not x or got[1] != x._version:
+        got = (x, x._version, _lift_phys(x if dtype is None else x.to(dtype), x.shape, target, body))
         body.lift_cache[key] = got
-    return got[1]
+    return got[2]
 
 
 def _promoted(func, args, kwargs, leaves, tensor_idx):
@@ -318,6 +319,8 @@ def _dispatch(func, args, kwargs):
     if inplace:
         if isinstance(self_val, ShTensor):
             self_val._lifts = None
+            if self_val._source is not None:  # (`x.data.add_(...)`: .data has a version counter of its own)
+                self_val._source._lifts = None
         return self_val
     if type(out) is torch.Tensor:
         return ShTensor(out, out_paxes, union, body, out_unreduced)

@@ -274,3 +274,47 @@ def test_as_strided_without_an_offset_is_per_device():
     out = shmap.shard_map(lambda v: (v * 1).as_strided((2, 3), (6, 2)), mesh=mesh, in_specs=P("i"),
                           out_specs=P("i"))(x)
     assert torch.equal(out, torch.cat([(b * 1).as_strided((2, 3), (6, 2)) for b in x.chunk(4)]))
+
+
+def test_assigning_grad_and_data_of_a_varying_value_sets_them():
+    """`opt.zero_grad()` sets `p.grad = None`; `p.grad = g` and `p.data = t` were set on the wrapper and
+    ignored on the simulated mesh, so the next backward accumulated onto the old gradient."""
+    mesh = shmap.make_mesh((4,), ("i",))
+
+    def body(w):
+        with torch.enable_grad():
+            p = (w * 1).detach().requires_grad_()
+            (p * 2).sum().backward()
+            p.grad = None
+            (p * 1).sum().backward()
+            first = p.grad.clone()
+            p.grad = p.detach() * 0 + 6
+            given = p.grad.clone()
+            p.data = p.detach() * 0 + 7
+            return first, given, p.detach() * 1
+
+    first, given, data = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.zeros(8))
+    assert torch.equal(first, torch.ones(8)) and torch.equal(given, torch.full((8,), 6.0))
+    assert torch.equal(data, torch.full((8,), 7.0))
+
+
+def test_a_lifted_weight_follows_updates_made_through_another_handle():
+    """A weight's automatic pvary is memoised; an update through `.data`, a view, `detach()` or a foreach op
+    on `.data` left it stale (a promoted float32 weight times float64 data kept its first value: manual SGD
+    trained on the first step's weights), or, unpromoted, failed in torch's view+inplace check."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    for update in (lambda p: p.data.add_(1), lambda p: p.view(-1).add_(1), lambda p: p.detach().add_(1),
+                   lambda p: torch._foreach_add_([p.data], 1)):
+        for dtype in (torch.float64, torch.float32):
+            def body(w, x):
+                p = w * 1
+                first = x * p
+                with torch.no_grad():
+                    update(p)
+                return first, x * p
+
+            w = torch.ones(3, dtype=dtype).requires_grad_()
+            first, second = shmap.shard_map(body, mesh=mesh, in_specs=(P(), P("i")), out_specs=(P("i"), P("i")))(
+                w, torch.ones(4, 3, dtype=torch.float64))
+            assert torch.equal(first, torch.ones(4, 3, dtype=torch.float64)), dtype
+            assert torch.equal(second, torch.full((4, 3), 2.0, dtype=torch.float64)), dtype

@@ -99,6 +99,11 @@ class _Device(DeviceContext):
     def start_copy(self, copy) -> None:
         src = self.tensor(self.device, copy.src.info)[copy.src.torch_index()]
         dst = self.tensor(copy.target, copy.dst.info)[copy.dst.torch_index()]
+        if _overlap(src, dst):
+            # Source and destination in one buffer (a shift within it, a copy to oneself): read the source
+            # whole first, as the interpreter does (an in-place copy_ of overlapping strided views smeared
+            # the first element across a row, silently, or raised for contiguous ones).
+            src = src.clone()
         dst.copy_(src)
         if isinstance(copy, RemoteCopy):
             self._bump(copy.target, self.slot(copy.recv_sem, "recv_sem"), copy.dst.nbytes)
@@ -182,3 +187,17 @@ class _Device(DeviceContext):
             self.local.pop(key, None)
             self.slots.pop(key, None)
             self.top, self.slot_top = top, slot_top
+
+
+def _overlap(a, b) -> bool:
+    """Whether two views' byte ranges intersect (buffers share one shared-memory arena, so their storages
+    do not tell them apart)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

@@ -464,3 +464,30 @@ def closure_without_checks():
             got.append(((g * 1).detach(), log.summary()))
         out.append((name, torch.equal(got[0][0], got[1][0]), got[0][1], got[1][1]))
     return out
+
+
+def manual_sgd_in_a_body():
+    """Manual SGD (`p.data.add_(p.grad, alpha=-lr)`) on a float32 weight times float64 data, in a data-parallel
+    body, on the distributed and a simulated mesh -> [losses per mesh]: the forward kept using the first
+    step's weight (a stale memoised pvary of the promoted copy), on both meshes."""
+    torch.manual_seed(0)
+    s, x = torch.ones(3, dtype=torch.float32), torch.randn(8, 3, dtype=torch.float64)
+
+    def train(w, xb):
+        with torch.enable_grad():
+            p = w.detach().clone().requires_grad_()
+            losses = []
+            for _ in range(3):
+                p.grad = None
+                loss = shmap.pmean(((xb * p) ** 2).sum(1).mean(), "i")
+                loss.backward()
+                p.data.add_(p.grad, alpha=-0.1)
+                losses.append(loss.detach())
+            return torch.stack(losses)
+
+    world = torch.distributed.get_world_size()
+    out = []
+    for m in (shmap.make_mesh((world,), ("i",)), shmap.make_mesh((world,), ("i",), distributed=False)):
+        got = shmap.shard_map(train, mesh=m, in_specs=(P(), P("i")), out_specs=P())(s, x)
+        out.append((got.full_tensor() if m.is_distributed else got).tolist())
+    return out

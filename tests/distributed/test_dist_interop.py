@@ -72,3 +72,19 @@ def test_a_closure_without_checks_gets_its_psummed_gradient_on_processes():
         for name, equal, dist_log, sim_log in rank:
             assert equal, name
             assert dist_log == sim_log and dist_log.get("psum", 0) >= 1, (name, dist_log, sim_log)
+
+
+def test_manual_sgd_in_a_body_trains_on_the_updated_weight_on_both_meshes():
+    import torch
+    torch.manual_seed(0)
+    s, x = torch.ones(3, dtype=torch.float32), torch.randn(8, 3, dtype=torch.float64)
+    p, want = s.clone().requires_grad_(), []
+    for _ in range(3):
+        p.grad = None
+        loss = ((x * p) ** 2).sum(1).mean()
+        loss.backward()
+        p.data.add_(p.grad, alpha=-0.1)
+        want.append(loss.item())
+    for dist_losses, sim_losses in shmap.spawn(dist_interop.manual_sgd_in_a_body, nprocs=2, timeout=90):
+        # (float32 weight: its gradient is rounded once on shmap's meshes, per op in plain torch)
+        assert dist_losses == pytest.approx(want, rel=1e-6) and sim_losses == pytest.approx(want, rel=1e-6)
