@@ -272,7 +272,8 @@ def _dispatch(func, args, kwargs):
     if kwargs and kwargs.get("out") is not None:
         raise TypeError(
             f"{op_name(func)}: `out=` is not supported inside a shard_map body. "
-            "Fix: assign the result instead, e.g. `y = torch.add(a, b)`."
+            "Fix: assign the result instead, e.g. `y = torch.add(a, b)`; from library code (torch.optim's "
+            "single-tensor Adam with amsgrad, Adamax), use its foreach=True form."
         )
 
     inplace = _INPLACE_CACHE.get(func)
@@ -450,7 +451,9 @@ def _check_inplace(func, self_val, union, body):
             f"{op_name(func)}: in-place update of {what} with operands varying along "
             f"{fmt_vma(union, body.axes)} (mesh {body.describe()}). An in-place op cannot change a value's "
             "device variance: the result would differ across devices but the target may not. "
-            "Fix: compute out of place, e.g. `x = x + y`, or `x = shmap.pvary(x, axes)` first."
+            + ("Fix: use the optimizer's foreach=True form (a fused step also updates its step counts, the "
+               "same on every device, in the same call)." if getattr(func, "__name__", "").startswith("_fused_")
+               else "Fix: compute out of place, e.g. `x = x + y`, or `x = shmap.pvary(x, axes)` first.")
         )
 
 

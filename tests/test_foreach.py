@@ -197,3 +197,24 @@ def test_foreach_adam_in_a_body_over_a_parameter_made_there():
 def test_foreach_on_plain_tensors_is_untouched():
     xs = [torch.randn(3), torch.randn(2)]
     torch.testing.assert_close(torch._foreach_mul(xs, 2.0), [x * 2 for x in xs])
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda p: torch.optim.AdamW([p], fused=True), shmap.VmaError, "Fix: use the optimizer's foreach=True form"),
+    (lambda p: torch.optim.Adam([p], amsgrad=True, foreach=False), TypeError, "use its foreach=True form"),
+])
+def test_optimizer_forms_a_body_cannot_run_name_the_one_it_can(make, error, words):
+    """A fused step updates its step counts (invariant) in the call that updates varying parameters, and the
+    single-tensor amsgrad step uses `out=`: both were refused with a fix the user could not apply."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(w):
+        with torch.enable_grad():
+            p = (w * 1).detach().requires_grad_()
+            opt = make(p)
+            (p * p).sum().backward()
+            opt.step()
+            return p.detach()
+
+    with pytest.raises(error, match=words):
+        shmap.shard_map(body, mesh=mesh, in_specs=P(None, "i"), out_specs=P(None, "i"))(torch.ones(2, 4))
