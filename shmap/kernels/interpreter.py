@@ -160,9 +160,18 @@ class _Run:
                 f"{c.describe()} landed on device {dst_dev.device}, where scoped buffer "
                 f"'{cp.dst.info.name}' is not allocated (the receiver is outside the run_scoped "
                 "that allocates it); synchronise before copying into scoped buffers\n" + self.note())
+        there = dst_dev.buffers[cp.dst.info.key]
+        if tuple(there.shape) != tuple(cp.dst.info.shape) or there.dtype != cp.dst.info.dtype:
+            # (each device allocates its scoped buffers itself: a device that allocated this one otherwise
+            # would receive bytes of another layout; shared memory reinterprets them, the copy cast them)
+            raise KernelUsageError(
+                f"{c.describe()} landed on device {dst_dev.device}, whose buffer '{cp.dst.info.name}' is "
+                f"{str(there.dtype).replace('torch.', '')}{list(there.shape)} but the sender's is "
+                f"{str(cp.dst.info.dtype).replace('torch.', '')}{list(cp.dst.info.shape)}: the devices allocated "
+                "it differently. Fix: allocate scoped buffers alike on every device\n" + self.note())
         dst_dev.record(dst_dev, cp.dst, True, c.actor, c.clock,
                        f"write of device {dst_dev.device}'s {cp.dst.describe()} by {c.describe()}")
-        dst_dev.buffers[cp.dst.info.key][cp.dst.torch_index()].copy_(c.data)
+        there[cp.dst.torch_index()].copy_(c.data)
         c.data = None
         sem = cp.recv_sem if c.remote else cp.sem
         side = "receive side of " if c.remote else ""
@@ -306,7 +315,14 @@ def interpret(kernel: Callable, inputs_per_device: Sequence, out_shapes, *, scra
     out_specs = [as_buffer(s, f"out_shapes[{i}]") for i, s in enumerate(outs)]
     scratch_specs = [s if isinstance(s, SemaphoreSpec) else as_buffer(s, f"scratch[{i}]")
                      for i, s in enumerate(scratch)]
-    seeds = [seed] if explore is None else list(range(seed, seed + int(explore)))
+    if explore is not None and (isinstance(explore, bool) or not isinstance(explore, int) or explore < 1):
+        raise KernelUsageError(f"interpret: explore must be a positive int (the number of schedules to run) or "
+                               f"None, got {explore!r}. Fix: e.g. explore=4.")
+    if not (isinstance(grid, (tuple, list)) and all(isinstance(g, int) and not isinstance(g, bool) and g >= 1
+                                            for g in grid)):
+        raise KernelUsageError(f"interpret: grid must be a tuple of positive ints, got {grid!r}. "
+                               "Fix: e.g. grid=(4,), or () for one run per device.")
+    seeds = [seed] if explore is None else list(range(seed, seed + explore))
     note = "" if explore is None else f"; found exploring seeds {seeds[0]}..{seeds[-1]}"
     first = None
     for s in seeds:

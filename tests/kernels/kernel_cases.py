@@ -230,3 +230,32 @@ def polls_forever(x, o, send, recv):
     o[...] = x[...]
     while K.semaphore_read(recv) == 0:
         pass
+
+
+def scoped_dtypes_differ(x, o, send, recv):
+    """Device 0 allocates its scoped buffers as int32, the others as float32; each copies its `src` into
+    the next device's `dst` (same name and shape, another dtype)."""
+    me, n = K.device_id(), K.num_devices()
+
+    def body(src, dst):
+        src[...] = x[...] + 0.5
+        bar = K.get_barrier_semaphore()
+        K.semaphore_signal(bar, 1, device_id=(me + 1) % n)
+        K.semaphore_wait(bar, 1)
+        h = K.remote_copy(src, dst, send, recv, (me + 1) % n)
+        h.start()
+        h.wait()
+        o[...] = dst[...]
+        K.semaphore_signal(bar, 1, device_id=(me + 1) % n)
+        K.semaphore_wait(bar, 1)
+
+    dt = torch.int32 if me == 0 else torch.float32
+    K.run_scoped(body, K.Buffer((4,), dt), K.Buffer((4,), dt))
+
+
+def strided_shift(x, o, sem):
+    """o[:, 1:] = o[:, :-1] with one local copy between overlapping (strided) slices of one buffer."""
+    o[...] = x[...]
+    c = K.local_copy(o.at[:, 0:9], o.at[:, 1:10], sem)
+    c.start()
+    c.wait()

@@ -223,3 +223,17 @@ def test_borrow_zero_copy_and_write_through_check():
         K.interpret(bad, blocks(2), K.Buffer((4,)))
     with pytest.raises(K.DeviceError, match="inputs are read-only"):
         K.interpret(lambda x, o: K.borrow(x, write=True), blocks(2), K.Buffer((4,)))
+
+
+def test_scoped_buffers_allocated_differently_on_two_devices_are_named():
+    """The copy cast the bytes into the other dtype, silently (shared memory reinterprets them)."""
+    with pytest.raises(K.KernelUsageError, match=r"whose buffer 'scoped\[1\]' is int32\[4\] but the sender's is "
+                                                 r"float32\[4\]: the devices allocated it differently"):
+        K.interpret(cases.scoped_dtypes_differ, [[torch.ones(4)]] * 2, K.Buffer((4,)), scratch=[DMA, DMA])
+
+
+def test_explore_and_grid_are_checked():
+    for kw, words in ((dict(explore=0), "explore must be a positive int"), (dict(grid=(-2,)), "grid must be a tuple "
+                                                                                       "of positive ints")):
+        with pytest.raises(K.KernelUsageError, match=words):
+            run_permute_case(cases.ring_permute, **kw)

@@ -127,3 +127,12 @@ def test_transport_per_rank_processes():
         assert len(report) == 14
         for check, err in report:
             assert err < 1e-4, f"rank {rank}: {check}: max abs error {err}"
+
+
+def test_a_copy_between_overlapping_slices_reads_the_source_first(shm_group):
+    """As the interpreter does: the in-place copy_ of overlapping strided views smeared the first element
+    across each row, silently."""
+    xs = [[torch.arange(40.0).reshape(4, 10)]] * 2
+    want = K.interpret(cases.strided_shift, xs, K.Buffer((4, 10)), scratch=[cases.DMA])
+    got = shm_group.run(cases.strided_shift, xs, K.Buffer((4, 10)), scratch=[cases.DMA])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[0][0], torch.tensor([0.0] + list(range(9))))
