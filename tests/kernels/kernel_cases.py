@@ -259,3 +259,11 @@ def strided_shift(x, o, sem):
     c = K.local_copy(o.at[:, 0:9], o.at[:, 1:10], sem)
     c.start()
     c.wait()
+
+
+def contiguous_shift(x, o, sem):
+    """o[1:4] = o[0:3] with one local copy between overlapping contiguous slices of one buffer."""
+    o[...] = x[...]
+    c = K.local_copy(o.at[0:3], o.at[1:4], sem)
+    c.start()
+    c.wait()
