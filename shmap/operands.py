@@ -9,7 +9,7 @@ import torch
 
 from . import context, nesting
 from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, as_tensor_arg, fmt_axes, fmt_vma
-from .tensor import ShTensor, lift, plain_value
+from .tensor import ShTensor, lift
 
 
 def _axes(api: str, axis_name) -> tuple:
@@ -26,6 +26,17 @@ def _axes(api: str, axis_name) -> tuple:
         f"{api}: axis_name must be a mesh axis name (str) or a non-empty tuple of names, "
         f"got {axis_name!r}. Fix: e.g. {api}({x}'i') or {api}({x}('i', 'j'))."
     )
+
+
+def plain_value(t: torch.Tensor, body) -> ShTensor:
+    """A plain tensor (closed over, made in the body, or from a number) met by a collective or returned:
+    an invariant value.  With check_vma=False, an unmapped argument: JAX passes a closed-over array into
+    the shard_map as an argument, so it varies on every axis and its cotangent is psum'd (the defensive
+    transpose); without that, each process kept its own share of the closure's gradient."""
+    if body.check_vma or body.parent is not None:
+        return ShTensor(t, (), frozenset(), body)
+    phys, paxes, v = body.backend.input_value(t, (), body)
+    return ShTensor(phys, paxes, v, body)
 
 
 _REDUCING = frozenset({"psum", "pmean", "pcast"})

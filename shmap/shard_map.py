@@ -24,8 +24,9 @@ from .backends import for_mesh
 from .compile import graph_call, python_state
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh, PartitionSpec
+from .operands import plain_value
 from .spec_tree import cached_match, freeze
-from .tensor import ShTensor, logical_shape, plain_value, storage_key, vma
+from .tensor import ShTensor, logical_shape, storage_key, vma
 
 
 def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vma=True):

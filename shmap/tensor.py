@@ -114,17 +114,6 @@ def typed_call(func, args, kwargs):
     return _dispatch(func, args, kwargs)
 
 
-def plain_value(t: torch.Tensor, body) -> "ShTensor":
-    """A plain tensor (closed over, made in the body, or from a number) met by a collective or returned:
-    an invariant value.  With check_vma=False, an unmapped argument: JAX passes a closed-over array into
-    the shard_map as an argument, so it varies on every axis and its cotangent is psum'd (the defensive
-    transpose); without that, each process kept its own share of the closure's gradient."""
-    if body.check_vma or body.parent is not None:
-        return ShTensor(t, (), frozenset(), body)
-    phys, paxes, v = body.backend.input_value(t, (), body)
-    return ShTensor(phys, paxes, v, body)
-
-
 def logical_shape(x: "ShTensor") -> torch.Size:
     """A body value's per-device shape, read from its physical tensor (`x.shape` is the same, through
     `__torch_function__`: the boundary and the collectives ask on every call)."""
