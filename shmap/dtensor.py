@@ -132,6 +132,11 @@ def global_shape(block_shape, mesh: Mesh, spec: PartitionSpec) -> tuple:
     )
 
 
+def block_shape(shape, mesh: Mesh, spec: PartitionSpec) -> tuple:
+    """`global_shape`'s inverse: the shape of each device's block of a global value of `shape`."""
+    return tuple(s // math.prod(mesh.shape[a] for a in spec.dim_axes(d)) for d, s in enumerate(shape))
+
+
 def _contiguous_stride(shape) -> tuple:
     stride, acc = [], 1
     for s in reversed(shape):

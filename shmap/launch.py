@@ -174,18 +174,19 @@ def _summary(errors, nprocs, results=()) -> str:
     for r, (name, msg, _) in sorted(errors.items(), key=key):
         first = msg.strip().splitlines()[0] if msg.strip() else ""
         lines.append(f"  rank {r}: {name}: {first}")
+    odd = [m.group(1) for _, msg, _ in errors.values() for m in [re.search(r"Rank (\d+) is the odd one out", msg)]
+           if m]
+    peer_gone = any(_peer_gone(name, m) for name, m, _ in errors.values())
     for r in sorted(results):
         # A rank that returned while the others failed: name it if they say it ended without them.
         named = any(re.search(rf"\branks? (?:\d+, )*{r}\b[^\n]*finished the program", m) for _, m, _ in errors.values())
-        odd = [m.group(1) for _, msg, _ in errors.values() for m in [re.search(r"Rank (\d+) is the odd one out", msg)]
-               if m]
         if named and odd:
             lines.append(f"  rank {r}: returned after its program's last collective, while rank {odd[0]} went on "
                          f"to another: rank {odd[0]} likely ran collectives the others never call")
         elif named:
             lines.append(f"  rank {r}: returned early: the others still waited for it in a collective "
                          "(it skipped collectives they called)")
-        elif any(_peer_gone(name, m) for name, m, _ in errors.values()):
+        elif peer_gone:
             lines.append(f"  rank {r}: returned while others were in a collective with it (gloo: its connection "
                          "closed): it likely skipped a collective they called, one of torch.distributed's or "
                          "DTensor's own (full_tensor, a checkpoint save), which shmap's guard does not watch")

@@ -159,7 +159,7 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
                 "arguments; give one entry per positional argument (an int, None, or a pytree prefix)."
             )
         per_arg = list(in_axes)
-    elif in_axes is None or (isinstance(in_axes, int) and not isinstance(in_axes, bool)):  # (True is not 1)
+    elif in_axes is None or _is_int(in_axes):
         per_arg = [in_axes] * nargs
     else:
         raise TypeError(
@@ -275,10 +275,15 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
     return _rebuild_outputs(out_holder, res)
 
 
+def _is_int(ax) -> bool:
+    """An axis given as an int (True is not axis 1)."""
+    return isinstance(ax, int) and not isinstance(ax, bool)
+
+
 def _flatten_with_axes(api, path, value, axes_prefix, leaves):
     """Flatten `value`; each leaf gets its axis from the prefix tree `axes_prefix`."""
     vleaves, treedef = optree.tree_flatten(value, none_is_leaf=True)
-    if axes_prefix is None or (isinstance(axes_prefix, int) and not isinstance(axes_prefix, bool)):
+    if axes_prefix is None or _is_int(axes_prefix):
         axes = [axes_prefix] * len(vleaves)
     else:
         try:
@@ -291,7 +296,7 @@ def _flatten_with_axes(api, path, value, axes_prefix, leaves):
             ) from None
     paths = optree.tree_paths(value, none_is_leaf=True)
     for p, v, ax in zip(paths, vleaves, axes):
-        if ax is not None and (not isinstance(ax, int) or isinstance(ax, bool)):
+        if ax is not None and not _is_int(ax):
             raise TypeError(f"{api}: in_axes entries must be ints or None, got {ax!r} for {path}.")
         if isinstance(v, numbers.Number) and not isinstance(v, torch.Tensor) and ax is None:
             v = torch.tensor(v)

@@ -106,7 +106,6 @@ def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vm
 _COUNTER = itertools.count()
 
 
-
 def _compiled_module_type():
     """`torch.compile(module)`'s type, where Dynamo is already imported (else nothing is compiled yet)."""
     import sys

@@ -252,12 +252,9 @@ def check_local_shape(x, mesh, spec):
     """Raise if DTensor `x`'s local tensor is not its global shape cut by `spec` (a DTensor built with
     `from_local` from blocks of other shapes: its ranks would run the body on blocks of different shapes,
     and the outputs' global shapes would differ by rank)."""
-    want = list(x.shape)
-    for d in range(len(spec)):
-        n = 1
-        for a in spec.dim_axes(d):
-            n *= mesh.shape[a]
-        want[d] //= n
+    from ..dtensor import block_shape
+
+    want = block_shape(x.shape, mesh, spec)
     local = x._local_tensor
     if tuple(local.shape) != tuple(want):
         raise SpecError(
