@@ -36,6 +36,8 @@ class Body:
     parent: object = None
     #: the axes this body's own specs split (default: all of `axes`; a nested body's exclude its parent's)
     own: tuple = None
+    #: "shard_map" or "pmap" (whose mesh is its own: no shard_map nests in a pmap's body)
+    kind: str = "shard_map"
 
     def __post_init__(self):
         self.sizes = {a: self.mesh.shape[a] for a in self.axes}

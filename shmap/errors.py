@@ -183,3 +183,13 @@ def as_tensor_arg(api: str, what: str, x):
             f"{api}: {what} must be a tensor or a number, got {type(x).__name__} {shown} ({e}). "
             "Fix: pass a torch.Tensor."
         ) from None
+
+
+def nested_in_pmap(what: str) -> str:
+    """The message for a shard_map given (or closing over) a value of a running pmap body."""
+    return (
+        f"{what}: a shard_map cannot nest in a pmap. pmap builds its own mesh, which no shard_map can name, "
+        "so a shard_map in its body runs over another mesh than the pmap's values live on. Fix: nest a pmap "
+        "(shmap.pmap inside the pmap body binds a new axis), or write the outer map as a shard_map over a "
+        "mesh with both axes that leaves the inner one free (axis_names=...), and nest the shard_map in that."
+    )

@@ -88,7 +88,8 @@ def inner_manual(api: str, mesh: Mesh, manual: tuple, parent: context.Body, defa
     return manual
 
 
-def inner_body(mesh: Mesh, manual: tuple, parent: context.Body, check_vma: bool, backend, api: str):
+def inner_body(mesh: Mesh, manual: tuple, parent: context.Body, check_vma: bool, backend, api: str,
+               kind: str = "shard_map"):
     if not (check_vma and parent.check_vma):
         raise SpecError(
             f"{api}: a nested shard_map needs check_vma=True on both levels (typed values tell the inner "
@@ -100,7 +101,8 @@ def inner_body(mesh: Mesh, manual: tuple, parent: context.Body, check_vma: bool,
             f"{parent.backend.name}. Fix: build both meshes the same way."
         )
     axes = tuple(a for a in mesh.axis_names if a in parent.axes or a in manual)
-    return context.Body(mesh=mesh, axes=axes, check_vma=True, backend=backend, parent=parent, own=tuple(manual))
+    return context.Body(mesh=mesh, axes=axes, check_vma=True, backend=backend, parent=parent, own=tuple(manual),
+                        kind=kind)
 
 
 def enter(value: ShTensor, spec, body) -> ShTensor:

@@ -271,7 +271,8 @@ def _pmap_call(cfg, args, kwargs, device_mesh=None):
     vals = tuple(device_put(v, mesh, spec) if spec is not None and is_dtensor(v) else v
                  for (_, v, _), spec in zip(leaves, in_specs))
     params = [p for p, _, _ in leaves]
-    res = _call(body, fname, params, mesh, (name,), tuple(in_specs), out_specs, True, vals, parent=parent)
+    res = _call(body, fname, params, mesh, (name,), tuple(in_specs), out_specs, True, vals, parent=parent,
+                kind="pmap")
     return _rebuild_outputs(out_holder, res)
 
 

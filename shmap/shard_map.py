@@ -22,7 +22,7 @@ import torch
 from . import context, foreach, nesting, special  # noqa: F401  (special, foreach: fill tensor._SPECIAL before any body runs)
 from .backends import for_mesh
 from .compile import graph_call, python_state
-from .errors import SpecError, VmaError, fmt_vma
+from .errors import SpecError, VmaError, fmt_vma, nested_in_pmap
 from .mesh import Mesh, PartitionSpec
 from .operands import plain_value
 from .spec_tree import cached_match, freeze
@@ -144,15 +144,15 @@ def _param_names(f):
 
 
 def _call(f, fname, params, mesh, manual, in_specs, out_specs, check_vma, args, *, default_axes=False,
-          parent=None, plans=None):
+          parent=None, plans=None, kind="shard_map"):
     backend = for_mesh(mesh)  # simulated, or one process per device under torch.distributed
     if parent is None:
         parent = nesting.parent_for(mesh, args)
     if parent is not None:  # nested in a running body: bind axes it leaves free (see nesting.py)
         manual = nesting.inner_manual(f"shard_map({fname})", mesh, manual, parent, default_axes)
-        body = nesting.inner_body(mesh, manual, parent, check_vma, backend, f"shard_map({fname})")
+        body = nesting.inner_body(mesh, manual, parent, check_vma, backend, f"{kind}({fname})", kind)
     else:
-        body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend)
+        body = context.Body(mesh=mesh, axes=manual, check_vma=check_vma, backend=backend, kind=kind)
     plans_in, plans_out = plans or (None, None)
     leaves, rebuild_in = cached_match(plans_in, in_specs, args, "in_specs", params, top=True, fname=fname)
     values = []
@@ -283,6 +283,8 @@ def _enter(path, value, spec, body, mesh, fname, what):
             "list or a closure). Body values exist only while their body runs. Fix: return it from that body "
             "(with an out_spec) and pass the global result."
         )
+    if isinstance(value, ShTensor) and value._body.kind == "pmap":
+        raise SpecError(nested_in_pmap(f"shard_map({fname}) {path}: got a value of a running pmap body"))
     if isinstance(value, ShTensor):
         raise SpecError(
             f"shard_map({fname}) {path}: got a value of another shard_map body, over a different mesh than this "

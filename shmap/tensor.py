@@ -38,7 +38,7 @@ import optree
 import torch
 
 from . import batching, context, unreduced
-from .errors import VmaError, fmt_vma, inplace_input, op_name, storage_layout
+from .errors import VmaError, fmt_vma, inplace_input, nested_in_pmap, op_name, storage_layout
 
 
 # --------------------------------------------------------------------------
@@ -410,6 +410,8 @@ def _bad_body(func, body, b):
             "Body values only exist while their body runs. Fix: return it from the body "
             "(with an out_spec) and use the global result instead."
         )
+    if b.kind == "pmap" and body.kind != "pmap":
+        raise VmaError(nested_in_pmap(f"{op_name(func)}: a shard_map body uses a value of a running pmap body"))
     raise VmaError(
         f"{op_name(func)}: operands come from two different shard_map bodies "
         f"(meshes {body.describe()} and {b.describe()}). Fix: pass values into the inner "

@@ -307,6 +307,25 @@ def test_error_inner_axis_shadows_outer():
         outer(torch.ones(2, 2))
 
 
+def test_error_shard_map_in_a_pmap_body():
+    """A shard_map cannot nest in a pmap (pmap's mesh is its own): passing or closing over a pmap body's
+    value names that and the fix, not "use the same mesh", which the user cannot do."""
+    mesh = shmap.make_mesh((2,), ("j",))
+
+    def passes(a):
+        return shmap.shard_map(lambda t: shmap.psum(t, "j"), mesh=mesh, in_specs=P("j"), out_specs=P())(a)
+
+    def closes(a):
+        return shmap.shard_map(lambda t: shmap.psum(t + a.sum(), "j"), mesh=mesh, in_specs=P("j"),
+                               out_specs=P())(torch.ones(4))
+
+    fix = r"a shard_map cannot nest in a pmap.*Fix: nest a pmap.*axis_names="
+    with pytest.raises(shmap.SpecError, match=r"in_specs\[0\]: got a value of a running pmap body: " + fix):
+        shmap.pmap(passes, "p")(torch.randn(4, 6))
+    with pytest.raises(shmap.VmaError, match=r"a shard_map body uses a value of a running pmap body: " + fix):
+        shmap.pmap(closes, "p")(torch.randn(4, 6))
+
+
 # ----------------------------------------------------------------------------
 # Nested pmap: seed 003
 # ----------------------------------------------------------------------------
