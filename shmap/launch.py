@@ -42,6 +42,13 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
     on any hang); `grace` how long ranks may outlive the first failure before
     they are killed.  Raises `SpawnError` naming each failed rank and its
     exception, root causes first.
+
+    `backend`: the process groups' backend ("gloo"; "nccl" on GPUs).  `env`:
+    environment variables set in every rank before `fn` runs (e.g.
+    `{"SHMAP_CHECK_COLLECTIVES": "strict"}`), over this process's own
+    `SHMAP_*` variables, which the ranks also get as they are now (the
+    ranks are forked from a server started at the first `spawn`, whose
+    environment would otherwise be that of its start).
     """
     import torch.distributed as dist
 
@@ -60,7 +67,7 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
     out = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(job, list(sys.path), r, nprocs, store.port, backend, timeout,
-                                          env or {}, out), daemon=True)
+                                          _rank_env(env), out), daemon=True)
         for r in range(nprocs)
     ]
     for p in procs:
@@ -107,6 +114,11 @@ def spawn(fn, *args, nprocs: int, backend: str = "gloo", timeout: float = 60.0, 
     if errors:
         raise SpawnError(_summary(errors, nprocs, results), errors, results)
     return [results[r] for r in range(nprocs)]
+
+
+def _rank_env(env):
+    """What `_worker` sets: this process's `SHMAP_*` variables now, then `env`."""
+    return {**{k: v for k, v in os.environ.items() if k.startswith("SHMAP_")}, **(env or {})}
 
 
 def _check_arguments(fn, nprocs, backend, timeout, grace, env):
@@ -211,10 +223,13 @@ def _worker(job, path, rank, world, port, backend, timeout, env, out):
     import torch
     import torch.distributed as dist
 
-    from .backends import watchdog
+    from .backends import config, watchdog
 
     try:  # the world's set-up: a failure here (an unknown backend, say) is this rank's error too
+        for k in [k for k in os.environ if k.startswith("SHMAP_") and k not in env]:
+            del os.environ[k]  # (the forkserver's, from its start: the parent has dropped it since)
         os.environ.update({k: str(v) for k, v in env.items()})
+        config.reload_from_env()  # (shmap was imported by the forkserver, before `env` was set)
         sys.path[:] = path + [p for p in sys.path if p not in path]
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))

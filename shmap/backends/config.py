@@ -2,8 +2,9 @@
 
 The options start from the environment (`SHMAP_CHECK_COLLECTIVES`,
 `SHMAP_COLLECTIVE_TIMEOUT`, `SHMAP_TRANSPORT`, `SHMAP_BUCKET_BYTES`,
-`SHMAP_FIRST_BUCKET_BYTES`); the guard (`guard`, `waits`) and the transports
-read them at each collective.
+`SHMAP_FIRST_BUCKET_BYTES`), read when shmap is imported (and by `spawn`'s
+ranks once their `env` is set); the guard (`guard`, `waits`) and the
+transports read `_OPTIONS` at each collective.
 """
 from __future__ import annotations
 
@@ -31,15 +32,25 @@ def _env_check() -> bool | str:
     return _env_flag("SHMAP_CHECK_COLLECTIVES", True)
 
 
-_OPTIONS = {
-    "check_collectives": _env_check(),
-    "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
-    "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
-    "bucket_bytes": int(os.environ.get("SHMAP_BUCKET_BYTES") or 25 << 20),
-    "first_bucket_bytes": int(os.environ.get("SHMAP_FIRST_BUCKET_BYTES") or 0) or "auto",
-    "poll": 0.25,
-    "exit_grace": 2.0,
-}
+def _from_env() -> dict:
+    """The options the environment sets (the defaults where it sets none)."""
+    return {
+        "check_collectives": _env_check(),
+        "timeout": _env_float("SHMAP_COLLECTIVE_TIMEOUT"),
+        "transport": os.environ.get("SHMAP_TRANSPORT", "torch"),
+        "bucket_bytes": int(os.environ.get("SHMAP_BUCKET_BYTES") or 25 << 20),
+        "first_bucket_bytes": int(os.environ.get("SHMAP_FIRST_BUCKET_BYTES") or 0) or "auto",
+    }
+
+
+_OPTIONS = {**_from_env(), "poll": 0.25, "exit_grace": 2.0}
+
+
+def reload_from_env():
+    """Take the options from the environment again: a process that imported shmap before its
+    environment was set (`spawn`'s ranks, forked from a server that preloads shmap, then given
+    `env`) would otherwise run with the server's, silently."""
+    _OPTIONS.update(_from_env())
 
 
 #: transport name -> factory(process group) -> an object with all_reduce / all_gather / reduce_scatter /

@@ -259,6 +259,12 @@ def world():
     return dist.get_world_size()
 
 
+def guard_settings():
+    """This rank's guard settings (`configure_distributed()` returns them unchanged)."""
+    import shmap
+    return shmap.configure_distributed()
+
+
 def grad_of_global_input():
     """A sharded plain-tensor input's gradient is whole on every rank (the boundary transpose)."""
     mesh = shmap.make_mesh((2, 2), ("i", "j"))

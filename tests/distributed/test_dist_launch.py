@@ -98,6 +98,17 @@ def test_spawn_returns_each_ranks_result_in_rank_order():
     assert shmap.spawn(dist_cases.world, nprocs=2, timeout=30) == [2, 2]
 
 
+def test_spawn_env_and_the_callers_shmap_variables_reach_the_guard(monkeypatch):
+    """The ranks are forked from a server that imported shmap (and read SHMAP_* options) at its start:
+    `env`, and this process's SHMAP_* variables as they are at the call, must still set the options."""
+    got = shmap.spawn(dist_cases.guard_settings, nprocs=2, timeout=30,
+                      env={"SHMAP_CHECK_COLLECTIVES": "strict", "SHMAP_BUCKET_BYTES": "1024"})
+    assert [(s["check_collectives"], s["bucket_bytes"]) for s in got] == [("strict", 1024)] * 2
+    monkeypatch.setenv("SHMAP_COLLECTIVE_TIMEOUT", "7.5")  # set after the server started (the call above)
+    got = shmap.spawn(dist_cases.guard_settings, nprocs=2, timeout=30, env={"SHMAP_CHECK_COLLECTIVES": "0"})
+    assert [(s["check_collectives"], s["timeout"], s["bucket_bytes"]) for s in got] == [(False, 7.5, 25 << 20)] * 2
+
+
 def test_spawn_reports_every_failed_rank():
     with pytest.raises(shmap.SpawnError) as info:
         shmap.spawn(dist_cases.fail_on_odd_ranks, nprocs=4, timeout=30)
