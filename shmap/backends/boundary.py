@@ -12,7 +12,7 @@ import torch
 from ..errors import SpecError, TransformError
 from ..mesh import PartitionSpec
 from .deferred import arrived
-from .functions import _Function, _keep_args
+from .functions import _Function, _keep_args, _legacy_batch_error, _legacy_batched
 from .transports import _gather_rows
 
 
@@ -220,6 +220,8 @@ def _assemble_blocks(block, backend, spec, body):
     """Every rank's block of a global value (same spec) -> the global value, on every rank."""
     from .simulated import SIMULATED
 
+    if _legacy_batched(block):  # (the backward of a sharded plain argument under is_grads_batched=True)
+        raise _legacy_batch_error("the gradient of a sharded plain argument (an all_gather of every rank's block)")
     axes = body.order(spec.axes())
     g = backend.group(axes)
     rows = _gather_rows(block, g, "assemble (boundary)")  # [n, *block], mesh order

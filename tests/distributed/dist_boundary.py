@@ -225,6 +225,14 @@ def _outputs_updated_in_place(mesh):
     except TransformError as e:
         if "torch.func.jacrev" not in str(e):
             bad.append(f"is_grads_batched over a collective: the message gives no fix: {e}")
+    xs = torch.arange(4.0, requires_grad=True)  # no collective in the body: the gradient's own gather
+    o = shmap.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P(("i", "j")), out_specs=P(("i", "j")))(xs)
+    try:
+        torch.autograd.grad(o.to_local(), xs, torch.ones(3, 1), is_grads_batched=True)
+        bad.append("is_grads_batched over a sharded plain argument: no error")
+    except TransformError as e:
+        if "sharded plain argument" not in str(e) or "torch.func.jacrev" not in str(e):
+            bad.append(f"is_grads_batched over a sharded plain argument: {e}")
     return bad
 
 
