@@ -26,7 +26,8 @@ def register_communicating(kind: str):
 
 @dataclass(frozen=True)
 class CommEvent:
-    """One collective: `kind`, mesh `axes`, per-device payload `bytes`, input block `shape`."""
+    """One collective: `kind`, mesh `axes`, per-device payload `bytes`, input block `shape` and `dtype`
+    (its name, e.g. "torch.float32")."""
 
     kind: str
     axes: tuple

@@ -193,3 +193,14 @@ def nested_in_pmap(what: str) -> str:
         "(shmap.pmap inside the pmap body binds a new axis), or write the outer map as a shard_map over a "
         "mesh with both axes that leaves the inner one free (axis_names=...), and nest the shard_map in that."
     )
+
+
+def no_torch_function(func) -> str:
+    """The message for a body value reached by torch with `__torch_function__` off: it cannot be typed."""
+    return (
+        f"{func} on a shard_map body value with __torch_function__ disabled, so shmap cannot type it. Most "
+        "often a torch.compile'd function called on body values (Dynamo's guards and traces read its inputs "
+        "that way), or torch._C.DisableTorchFunctionSubclass. Fix: call the function uncompiled in the body and "
+        "compile the shard_mapped function instead, torch.compile(shard_map(f, ...)): the body is then traced "
+        "once, with its collectives, into the graph."
+    )

@@ -114,6 +114,7 @@ def jit(f=None, /, *, backend: str = "inductor", max_entries: int = 64):
     `backend`: "inductor" (default: compile the captured program; the fastest
     per call) or "eager" (replay the FX graph; no compilation, bit-identical
     to eager).  Differentiable calls replay AOT autograd's graphs either way.
+    `max_entries`: traces kept per function (one per key; the oldest goes first).
     Usable as `jit(f)`, `@jit` or `@jit(backend=...)`; the module docstring has the key and the rules.
     """
     if f is None:

@@ -38,7 +38,7 @@ import optree
 import torch
 
 from . import batching, context, unreduced
-from .errors import VmaError, fmt_vma, inplace_input, nested_in_pmap, op_name, storage_layout
+from .errors import VmaError, fmt_vma, inplace_input, nested_in_pmap, no_torch_function, op_name, storage_layout
 
 
 # --------------------------------------------------------------------------
@@ -88,6 +88,8 @@ class ShTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.aten.set_:  # (Tensor.set_ skips __torch_function__)
             raise storage_layout("`set_`")
+        if not torch._C._is_torch_function_enabled():  # e.g. Dynamo's guards on a compiled helper's input
+            raise TypeError(no_torch_function(func))
         raise RuntimeError(
             f"shmap internal error: {func} reached a body value below autograd; "
             "please report this with the code that triggered it."

@@ -214,6 +214,23 @@ def test_a_compiled_body_is_refused_with_the_fix():
             shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())
 
 
+def test_a_compiled_helper_called_on_body_values_runs_uncompiled_or_says_why():
+    """A torch.compile'd function called in a body: Dynamo gives up on body values and runs it as it is,
+    except where its guards read them with __torch_function__ off (`x.T`), which gave "shmap internal
+    error ... please report"; it is a TypeError with the fix now."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    x, w = torch.randn(8, 3), torch.randn(3, 3)
+    torch._dynamo.reset()
+    h = torch.compile(lambda v: v @ w, backend="eager")
+    got = shmap.shard_map(lambda v: h(v), mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+    torch.testing.assert_close(got, x @ w)
+    h = torch.compile(lambda v: v.T.contiguous(), backend="eager")
+    f = shmap.shard_map(lambda v: h(v), mesh=mesh, in_specs=P("i"), out_specs=P(None, "i"))
+    with pytest.raises(Exception, match=r"__torch_function__ disabled.*torch.compile'd function called on body "
+                                        r"values.*Fix: .*torch.compile\(shard_map\(f"):
+        f(x)
+
+
 def test_compiled_with_dynamic_shapes():
     """A recompile for a new batch size makes Dynamo's sizes symbolic; shmap's caches skip them."""
     mesh = shmap.make_mesh((4,), ("i",))
