@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from . import comm, context
+from . import comm, context, cow
 from .errors import CollectiveArgumentError, VmaError, fmt_axes, fmt_vma
 from .operands import (
     _axes,
@@ -167,7 +167,7 @@ def pvary(x, axis_name):
     if not added:
         return x
     out, paxes = body.backend.pvary(x._phys, x._paxes, body.order(added), body, x.shape)
-    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body, pvary=True)
 
 
 # --------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def pcast(x, axis_name, *, to):
             f"can become one (an invariant x would mean {body.sizes[missing[0]]}*x). "
             "Fix: pcast a varying value, or shmap.pvary it first if the multiple is intended."
         )
-    return ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | frozenset(axes))
+    return cow.mark_shared(ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | frozenset(axes)), True)
 
 
 # --------------------------------------------------------------------------

@@ -29,7 +29,8 @@ import torch
 
 from . import batching
 from .errors import VmaError
-from .tensor import _NUMBER, _SPECIAL, ShTensor, _check_inplace, _make_writable
+from . import cow
+from .tensor import _NUMBER, _SPECIAL, ShTensor, _check_inplace
 
 
 def _positions(args, kwargs):
@@ -124,7 +125,7 @@ def _foreach(func, args, kwargs):
         if all(type(x) is ShTensor for x in args[0]):  # in place: each target checked as its per-tensor op's
             for x in args[0]:
                 _check_inplace(func, x, x._vma, x._body)  # (every operand at its position has x's type)
-                _make_writable(x)
+                cow.before_write(func, x)
             func(*[_phys(a) for a in args], **{k: _phys(v) for k, v in kwargs.items()})
             for x in args[0]:
                 x._lifts = None

@@ -7,7 +7,7 @@ import operator
 
 import torch
 
-from . import context, nesting
+from . import context, cow, nesting
 from .errors import CollectiveArgumentError, CollectiveShapeError, VmaError, as_tensor_arg, fmt_axes, fmt_vma
 from .tensor import ShTensor, lift
 
@@ -103,11 +103,12 @@ def _varying(x: ShTensor, axes, body):
     return lift(x, x._vma | frozenset(axes), body)
 
 
-def _out(phys, paxes, vma_, body):
-    """Wrap a backend result with the type the collective's rule gives it."""
+def _out(phys, paxes, vma_, body, *, pvary=False):
+    """Wrap a backend result with the type the collective's rule gives it; it may share memory (its
+    input's, or a recording view) until first written in place (`cow.py`; a pvary's always does)."""
     if not body.check_vma:
         vma_ = frozenset(body.axes)
-    return ShTensor(phys, paxes, frozenset(vma_), body)
+    return cow.mark_shared(ShTensor(phys, paxes, frozenset(vma_), body), pvary)
 
 
 def _dim(api, what, d, rank, allow_end=False):

@@ -15,7 +15,8 @@ import itertools
 import torch
 
 from .errors import VmaError, fmt_vma, op_name, shared_write, storage_layout, varying_control_flow
-from .tensor import _SPECIAL, ShTensor, _check_not_argument, expand_to, typed_call, vma
+from .cow import check_not_argument
+from .tensor import _SPECIAL, ShTensor, expand_to, typed_call, vma
 
 
 def _metadata(func, args, kwargs):
@@ -62,6 +63,9 @@ def _data_get(func, args, kwargs):
     x = args[0]
     r = ShTensor(x._phys.data, x._paxes, x._vma, x._body)
     r._source = x  # (an in-place update through it makes x's memoised lifts stale: tensor._dispatch)
+    if x._shared is not None or x._root is not None:  # a view of shared memory (cow.py)
+        r._root = x._root if x._root is not None else x
+        r._root._viewed = True
     return r
 
 
@@ -306,7 +310,7 @@ def _writes_shared(written, flag, default, what, fix=""):
                 if isinstance(t, torch.Tensor) and union and not (isinstance(t, ShTensor) and union <= vma(t)):
                     raise shared_write(op_name(func), t.shape, body.describe(), what, fix)
                 if isinstance(t, ShTensor):  # (an argument is read-only, as for any in-place op)
-                    _check_not_argument(func, t)
+                    check_not_argument(func, t)
         return typed_call(func, args, kwargs)
     return check
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import optree
 import torch
 
-from . import batching, context, unreduced
+from . import batching, context, cow, unreduced
 from .errors import VmaError, fmt_vma, inplace_input, nested_in_pmap, no_torch_function, op_name, storage_layout
 
 
@@ -71,6 +71,9 @@ class ShTensor(torch.Tensor):
     _lifts = None  # {(target vma, grad mode): (version, lifted physical tensor)} (`lift`)
     _source = None  # the value whose `.data` this is (`special._data_get`): its lifts go stale with this
     _unreduced = frozenset()  # the subset of _vma along which the value is a pending sum
+    _shared = None  # a pvary / collective result not yet written in place: "always" or "view" (cow.py)
+    _root = None  # the shared value whose memory this one views (cow.note_views)
+    _viewed = False  # (a shared value) a view of it exists
 
     @staticmethod
     def __new__(cls, phys, paxes, vma, body, unreduced=None):
@@ -274,7 +277,7 @@ def _dispatch(func, args, kwargs):
     if inplace:
         _check_inplace(func, self_val, union, body)
         if isinstance(self_val, ShTensor):
-            _make_writable(self_val)
+            cow.before_write(func, self_val)
 
     if body is None:  # body values hidden in a container torch cannot see into
         raise TypeError(
@@ -289,9 +292,12 @@ def _dispatch(func, args, kwargs):
         out_unreduced = unreduced.check(func, [leaves[k] for k in tensor_idx], body, has_number, args, kwargs)
     batched = []
     promoted = False  # (found on the first lift: `_promoted`)
+    shared = None  # operands that share memory (cow.py): a view of one is noted
     for k in tensor_idx:
         leaf = leaves[k]
         if isinstance(leaf, ShTensor):
+            if leaf._shared is not None or leaf._root is not None:
+                shared = (shared or []) + [leaf]
             v = leaf._vma
             if v is union or v == union or (inplace and leaf is self_val):
                 leaves[k] = leaf._phys
@@ -314,9 +320,11 @@ def _dispatch(func, args, kwargs):
             if self_val._source is not None:  # (`x.data.add_(...)`: .data has a version counter of its own)
                 self_val._source._lifts = None
         return self_val
-    if type(out) is torch.Tensor:
-        return ShTensor(out, out_paxes, union, body, out_unreduced)
-    return _wrap_out(out, out_paxes, union, body, out_unreduced)
+    res = (ShTensor(out, out_paxes, union, body, out_unreduced) if type(out) is torch.Tensor
+           else _wrap_out(out, out_paxes, union, body, out_unreduced))
+    if shared:
+        cow.note_views(res, shared, storage_key)
+    return res
 
 
 _FAST: dict = {}
@@ -435,7 +443,7 @@ def _wrap_out(out, paxes, vma_, body, unreduced_=frozenset()):
 
 def _check_inplace(func, self_val, union, body):
     if isinstance(self_val, ShTensor):
-        _check_not_argument(func, self_val)
+        cow.check_not_argument(func, self_val)
     self_vma = self_val._vma if isinstance(self_val, ShTensor) else frozenset()
     if not union <= self_vma:
         what = ("a plain tensor (invariant: made outside the body, or by a factory such as torch.zeros in it)"
@@ -466,30 +474,3 @@ def storage_key(t):
         return ("traced", t.untyped_storage()._cdata)
     except Exception:  # noqa: BLE001 - a tensor without storage
         return None
-
-
-def _check_not_argument(func, x):
-    """Arguments are read-only in the body (shard_map marks their storage; see shard_map._read_only).
-
-    An argument or a view of it (same type) raises; a `pvary` of one (a new value in JAX, sharing the
-    storage) gets its own copy first, on both meshes (the simulated one would copy its stride-0
-    layout anyway; a distributed block would otherwise write into the caller's tensor).
-    """
-    marked = x._body.__dict__.get("read_only")
-    if marked:
-        got = marked.get(storage_key(x._phys))
-        if got is not None:
-            who, arg_vma = got
-            if x._vma <= arg_vma:
-                raise inplace_input(op_name(func), who, x._body)
-            x._phys = x._phys.clone()
-
-
-def _make_writable(x: ShTensor):
-    """Give `x` its own storage if its layout is a stride-0 broadcast (from pvary)."""
-    k = len(x._paxes)
-    if not k:  # a block of its own (the distributed mesh): nothing broadcast
-        return
-    st = x._phys.stride()
-    if any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k)):
-        x._phys = x._phys.clone()

@@ -88,3 +88,15 @@ def test_manual_sgd_in_a_body_trains_on_the_updated_weight_on_both_meshes():
     for dist_losses, sim_losses in shmap.spawn(dist_interop.manual_sgd_in_a_body, nprocs=2, timeout=90):
         # (float32 weight: its gradient is rounded once on shmap's meshes, per op in plain torch)
         assert dist_losses == pytest.approx(want, rel=1e-6) and sim_losses == pytest.approx(want, rel=1e-6)
+
+
+def test_in_place_updates_of_shared_values_match_simulated():
+    """A pvary result written in place wrote its input on processes (the simulated mesh copied it), a
+    write through a view of one was lost on the simulated mesh (applied on processes): both meshes now
+    copy on the first write and refuse what a view cannot follow (cow_cases.py, test_cow.py)."""
+    import cow_cases
+
+    results = shmap.spawn(cow_cases.on_processes, nprocs=2, timeout=90)
+    sim = cow_cases.run(shmap.make_mesh((2,), ("i",)))
+    for r, got in enumerate(results):
+        assert got == sim, f"rank {r}: " + str({k: (got[k], sim[k]) for k in sim if got.get(k) != sim[k]})

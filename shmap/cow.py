@@ -1,0 +1,112 @@
+"""Writes to body values: read-only arguments, and copy-on-write for values that share memory.
+
+JAX's values are immutable; a torch body may update its own values in place,
+and the two meshes must then agree.  Two kinds of body value hold memory that
+is not theirs alone:
+
+- **Arguments** alias the caller's tensor: read-only (`check_not_argument`;
+  shard_map marks their storage).
+- **A pvary or collective result** (`mark_shared`).  pvary returns its input's
+  memory: a stride-0 broadcast on the simulated mesh, the input's own tensor on
+  a process.  A collective's result may be a view: of its input on the
+  simulated mesh (all_gather, all_to_all), or the view autograd's recording
+  node returns, which autograd forbids writing.  Such a value gets memory of
+  its own on its first in-place update (`before_write`), as JAX's new array
+  would have it, so the write reaches neither the input nor the other devices.
+
+A view of a shared value taken *before* that first update cannot follow it:
+the view keeps the old memory, so a write through it would be lost (the
+simulated mesh's broadcast) or reach the pvary's input (a process), and a
+read of it after the update would miss the update.  Both orders are refused,
+alike on both meshes, with the fix (update first, or `clone()` first);
+`note_views` records which values are such views.
+"""
+from __future__ import annotations
+
+from .errors import VmaError, inplace_input, op_name
+
+
+def mark_shared(x, always: bool):
+    """`x` (a pvary or collective result) shares memory until its first in-place update; `always`:
+    it is copied then whatever its layout (pvary: its input's memory on every mesh)."""
+    x._shared = "always" if always else "view"
+    return x
+
+
+def note_views(out, shared_inputs, storage_key):
+    """After an op on shared values (or views of them): mark outputs that view their memory."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    for o in outs:
+        phys = getattr(o, "_phys", None)
+        if phys is None:
+            continue
+        key = storage_key(phys)
+        if key is None:
+            continue
+        for leaf in shared_inputs:
+            if storage_key(leaf._phys) == key:
+                root = leaf._root if leaf._root is not None else leaf
+                o._root = root
+                root._viewed = True
+                break
+
+
+def before_write(func, x):
+    """Give `x` memory of its own before an in-place op writes it, where it shares memory; refuse a
+    write that a view of shared memory cannot carry."""
+    root = x._root
+    if root is not None and (root._shared is not None or not _same_memory(x, root)):
+        raise VmaError(
+            f"{op_name(func)}: in-place update through a view (e.g. `y[0:2]`, `y.view(...)`, `y.T`) of a "
+            "pvary or collective result `y` that has not been updated itself. Such a result shares memory "
+            "(its input's, or the other devices') until its first in-place update gives it its own, which a "
+            "view taken before cannot follow: the write would be lost on the simulated mesh and reach the "
+            "pvary's input on processes. Fix: `y = y.clone()` (or update `y` itself first), then take the view."
+        )
+    if x._shared is not None:
+        if x._viewed:
+            raise VmaError(
+                f"{op_name(func)}: in-place update of a pvary or collective result after a view of it was "
+                "taken (e.g. `v = y[0:2]`). The result shares memory until its first in-place update gives it "
+                "its own, so the view would keep the old values (and on processes the pvary's input would "
+                "change). Fix: update it before taking views, or clone it first: `y = y.clone()`."
+            )
+        if x._shared == "always" or x._phys._is_view() or _broadcast(x):
+            x._phys = x._phys.clone()
+        x._shared = None
+    elif _broadcast(x):  # (a check_vma=False argument lifted to every axis)
+        x._phys = x._phys.clone()
+
+
+def check_not_argument(func, x):
+    """Arguments are read-only in the body (shard_map marks their storage; see shard_map._read_only).
+
+    An argument or a view of it raises; a pvary or collective result that shares an argument's memory
+    is a new value (`before_write` gives it its own on its first in-place update).
+    """
+    marked = x._body.__dict__.get("read_only")
+    if marked:
+        from .tensor import storage_key
+
+        got = marked.get(storage_key(x._phys))
+        if got is not None:
+            who, arg_vma = got
+            if x._shared is None and x._root is None and x._vma <= arg_vma:
+                raise inplace_input(op_name(func), who, x._body)
+            if x._shared is None and x._root is None:
+                x._phys = x._phys.clone()  # (a lifted argument: a new value in JAX)
+
+
+def _broadcast(x) -> bool:
+    """Whether `x`'s device dims are a stride-0 broadcast (pvary on the simulated mesh)."""
+    k = len(x._paxes)
+    if not k:
+        return False
+    st = x._phys.stride()
+    return any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k))
+
+
+def _same_memory(x, root) -> bool:
+    from .tensor import storage_key
+
+    return storage_key(x._phys) == storage_key(root._phys)
