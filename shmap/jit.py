@@ -215,6 +215,8 @@ class Jitted:
         name = getattr(self.eager, "__name__", "f")
         tensor_pos = [k for k, x in enumerate(leaves) if isinstance(x, _Tensor)]
         statics = list(leaves)
+        for k in tensor_pos:  # (flat_fn fills them from its arguments; AOT autograd keeps flat_fn, which
+            statics[k] = None  # must not keep the first call's tensors, a batch say, alive with it)
         out_info = {}
         f = self.eager
 
