@@ -92,9 +92,10 @@ def body_for_axes(api: str, axes: tuple, hint: Body | None = None) -> Body:
         if all(a in body.sizes for a in axes):
             return body
     if in_backward():
-        for body in (hint, getattr(_local, "backward_body", None)):
+        last = _local.backward_body if getattr(_local, "backward_task", None) == _task() else None
+        for body in (hint, last):
             if body is not None and all(a in body.sizes for a in axes):
-                _local.backward_body = body
+                used_in_backward(body)
                 return body
     bound = s[-1].axes if s else ()
     missing = [a for a in axes if not (s and a in s[-1].sizes)]
@@ -107,8 +108,21 @@ def in_backward() -> bool:
 
 
 def used_in_backward(body: Body) -> None:
-    """Remember `body` as the one a backward pass is recomputing (see `body_for_axes`)."""
+    """Remember `body` as the one this backward pass is recomputing (see `body_for_axes`), until the
+    pass ends: a later pass (a plain hook calling a collective) must not find it, nor keep it (and the
+    tensors its lift cache holds) alive."""
+    task = _task()
+    if getattr(_local, "backward_task", None) != task:
+        _local.backward_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(_forget_backward_body)
     _local.backward_body = body
+
+
+def _forget_backward_body():
+    _local.backward_body = _local.backward_task = None
+
+
+_task = torch._C._current_graph_task_id
 
 
 @contextlib.contextmanager

@@ -207,6 +207,29 @@ def test_checkpoint_matches_plain_torch_with_invariant_parameter(reentrant):
     assert log.summary() == {"psum": 2}  # the forward psum, then w's gradient once
 
 
+def test_a_checkpointed_backward_leaves_no_body_behind():
+    """The body a checkpoint recomputes was remembered past its backward pass: it kept what it closed
+    over alive, and a collective in a later pass's plain hook (outside any body) ran on it and failed
+    with "shmap internal error" instead of UnboundAxisError."""
+    import gc
+    import weakref
+
+    w = torch.randn(4, 4, requires_grad=True)
+    big = torch.randn(8, 4) @ torch.randn(4, 4, requires_grad=True)  # closed over, with a graph
+    f = sm(lambda w, x: shmap.psum(cp.checkpoint(lambda x: torch.tanh(x @ w + big[:x.shape[0]]), x,
+                                                 use_reentrant=False).sum(), "i"), (P(), P("i")), P())
+    f(w, torch.randn(8, 4)).backward()
+    ref, f = weakref.ref(big), None
+    del big
+    gc.collect()
+    assert ref() is None
+    t = torch.ones(3, requires_grad=True)
+    y = t * 1.0
+    y.register_hook(lambda g: shmap.psum(g, "i"))
+    with pytest.raises(shmap.UnboundAxisError, match="no shard_map body is running"):
+        y.sum().backward()
+
+
 def _through(kind, v, x):
     """tanh(x @ v) summed, through a hook, an autograd.Function or a non-reentrant checkpoint."""
     if kind == "hook":
