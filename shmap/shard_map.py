@@ -428,7 +428,9 @@ def _unmentioned_axes(fname, path, spec, x, varying, extra, mesh, body) -> VmaEr
         f"one is the output (mesh {mesh.describe()}). Fix: reduce it in the body, e.g. "
         f"`shmap.psum(y, {_axes_lit(extra)})`, or gather it with "
         f"`shmap.all_gather_invariant(y, {_axes_lit(extra)})` (`shmap.all_gather`'s result is typed "
-        f"varying), or name the axis in the spec, e.g. {_suggest_spec(spec, extra, x.dim())}."
+        + (f"varying), or name the axis in the spec, e.g. {_suggest_spec(spec, extra, x.dim())}." if x.dim() else
+           f"varying), or give the scalar a dimension to name the axis in: return `y.reshape(1)` with out_spec "
+           f"{_suggest_spec(spec, extra, 1)} (one entry per device).")
     )
 
 

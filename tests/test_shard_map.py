@@ -172,6 +172,10 @@ def test_error_output_unmapped_but_varying():
     msg = str(e.value)
     assert "out_specs" in msg and "P('i')" in msg and "{'i', 'j'}" in msg
     assert "shmap.psum(y, 'j')" in msg and "all_gather" in msg and "P('i', 'j')" in msg
+    with pytest.raises(shmap.VmaError) as e:  # a scalar: not "e.g. P()", the spec it was given
+        sm(lambda a: a.sum(), P("i", "j"), P())(torch.randn(8, 4))
+    msg = str(e.value)
+    assert "e.g. P()" not in msg and "return `y.reshape(1)` with out_spec P(('i', 'j'))" in msg
 
 
 def test_error_unbound_axis_in_collective():
