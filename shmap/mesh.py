@@ -26,7 +26,7 @@ class PartitionSpec:
     pytree of `in_specs`.
     """
 
-    __slots__ = ("_entries", "_dims", "_axes", "_axis_set", "_trimmed", "_hash", "unreduced")
+    __slots__ = ("_entries", "_dims", "_axes", "_axis_set", "_trimmed", "_hash", "_exact", "unreduced")
 
     def __init__(self, *entries, unreduced=frozenset()):
         norm = []
@@ -62,6 +62,7 @@ class PartitionSpec:
         self.unreduced = frozenset({unreduced} if isinstance(unreduced, str) else unreduced)
         self._trimmed = tuple(trimmed)  # equality ignores trailing Nones
         self._hash = hash((self._trimmed, self.unreduced))
+        self._exact = hash((self._entries, self.unreduced))  # (trailing Nones count: shard_map._check_spec)
 
     def __iter__(self):
         return iter(self._entries)

@@ -184,17 +184,19 @@ _VALIDATED: dict = {}
 def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
     """Validate `spec` for a value of `shape`; a success is remembered (specs and meshes are immutable).
 
-    Keyed on the spec object itself (by identity, held by the entry so that its
-    id stays its own), not on equality: `P('x', None) == P('x')`, but only the
-    short one fits a rank-1 value.  The boundary asks at every leaf of every
-    call, so a hit is one dict lookup.
+    Keyed on the spec's exact entries, not on equality: `P('x', None) == P('x')`,
+    but only the short one fits a rank-1 value; the entry holds the spec, whose
+    entries a hit compares (a hash is no proof).  Not on the spec's identity:
+    pmap, and code that builds specs per call, make new ones every call, which
+    would fill the table.  The boundary asks at every leaf of every call, so a
+    hit is one dict lookup.
     """
-    key = (id(spec), shape, mesh.axis_names, mesh.axis_sizes, manual, split)
     try:
+        key = (spec._exact, shape, mesh.axis_names, mesh.axis_sizes, manual, split)
         got = _VALIDATED.get(key)
-    except TypeError:  # symbolic sizes (torch.compile's dynamic shapes) do not hash
+    except (AttributeError, TypeError):  # not a spec (refused below); symbolic sizes (dynamic shapes) do not hash
         got = None
-    if got is spec and got is not None:  # (a missing entry is None too: never a validated spec)
+    if got is spec or (got is not None and got._entries == spec._entries and got.unreduced == spec.unreduced):
         return
     _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
     if all(type(s) is int for s in shape) and len(_VALIDATED) < 65536:

@@ -258,6 +258,22 @@ def test_spec_validation_is_keyed_on_the_exact_spec():
         sm(ident, P(), P(None))(torch.tensor(3.0))
 
 
+def test_specs_made_per_call_do_not_fill_the_validation_table():
+    """The table was keyed on the spec's identity: pmap (which makes its specs per call), and code that
+    builds a shard_map per step, added an entry every call (65536 entries, ~50 MiB) and never hit one."""
+    import importlib
+
+    sm_mod = importlib.import_module("shmap.shard_map")
+
+    f = shmap.pmap(lambda v: shmap.psum(v, "p"), "p")
+    f(torch.ones(4, 3))
+    before = len(sm_mod._VALIDATED)
+    for _ in range(20):
+        f(torch.ones(4, 3))
+        sm(lambda v: v * 2, P("i", None), P("i"))(torch.ones(8, 2))
+    assert len(sm_mod._VALIDATED) <= before + 2
+
+
 def test_inplace_update_of_an_argument_raises_naming_it():
     x, w = torch.zeros(8), torch.ones(2)
 

@@ -49,6 +49,8 @@ class Simulated(Backend):
         key = (spec, tuple(x.shape), body.axes, tuple(body.sizes.values()))
         got = _SPLITS.get(key)
         if got is None:
+            if len(_SPLITS) >= 4096:  # (a bound, as the other plan caches have: shapes may change every call)
+                _SPLITS.clear()
             got = _SPLITS[key] = self._split_plan(x, spec, body)
         shape, perm, paxes = got
         return x.reshape(shape).permute(perm), paxes
