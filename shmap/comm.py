@@ -74,7 +74,11 @@ def _active() -> list:
 
 @contextlib.contextmanager
 def comm_log():
-    """Record collectives performed inside the block; yields a `CommLog`."""
+    """Record collectives performed inside the block; yields a `CommLog`.
+
+    The log is process-wide: it also records collectives other threads run while the block is open
+    (autograd runs a GPU backward pass on threads of its own, whose collectives belong in it).  To
+    count one function's collectives, run nothing else meanwhile."""
     log = CommLog()
     logs = _active()
     logs.append(log)
