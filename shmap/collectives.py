@@ -285,7 +285,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     `tiled=True`: the dimension (a multiple of the axis size n) is cut into n
     blocks and device k keeps the sum of block k (the dimension shrinks n-fold);
     `tiled=False`, as JAX: the dimension must equal n, and device k keeps the
-    sum of index k, the dimension removed.  Dtypes as `psum`: booleans are counted in int32 (JAX's psum_scatter refuses booleans).
+    sum of index k, the dimension removed.  Dtypes as `psum`: booleans are
+    counted in int32 (JAX's psum_scatter refuses booleans).
     """
     api = "psum_scatter"
     axes = _axes(api, axis_name)

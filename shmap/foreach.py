@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from . import batching
+from . import batching, cow
 from .errors import VmaError
-from . import cow
 from .tensor import _NUMBER, _SPECIAL, ShTensor, _check_inplace
 
 
