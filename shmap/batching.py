@@ -256,6 +256,8 @@ def direct_ok(func, args, batched, out_paxes) -> bool:
             if i not in bset and isinstance(a, torch.Tensor) and a.dim() > rank:
                 return False
         return True
+    if name == "mm":  # (2-d operands only: a block with device dims is 3-d or more)
+        return False
     if name in MATMUL and len(args) == 2 and len(batched) == 2:  # both vary: matmul's own batch dims
         # right-aligned batch dims line the device dims up only when both operands have the same rank
         return args[0].dim() == args[1].dim() and all(p == out_paxes and args[i].dim() - k >= 2
@@ -266,9 +268,9 @@ def direct_ok(func, args, batched, out_paxes) -> bool:
             return False
         other = args[1 - i]
         if i == 0:  # [dev..., (m,) k] @ [k(, n)]: device dims are batch dims of matmul
-            return other.dim() in (1, 2) and (name != "mm" or other.dim() == 2)
+            return other.dim() in (1, 2)
         # [..., m, k] @ [dev..., ..., k, n]: the left operand's batch dims must not reach the device dims
-        return args[1].dim() - k >= 2 and 1 <= other.dim() <= args[1].dim() - k and name != "mm"
+        return args[1].dim() - k >= 2 and 1 <= other.dim() <= args[1].dim() - k
     if name in LINEAR and batched and batched[0][0] == 0 and len(batched) == 1 and batched[0][1] == out_paxes:
         return True
     if name == "to":  # a dtype or device conversion, element by element (not a layout or another's dtype)
@@ -393,6 +395,32 @@ def run_op(func, leaves, treedef, batched, union, inplace, body):
     return run_batched(func, leaves, treedef, batched, out_paxes, body), out_paxes
 
 
+def _autocast() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+def _call(func, args, kwargs):
+    return func(*args, **kwargs)
+
+
+#: pointwise ops whose vmap rules promote a batched 0-d operand as if it had dims (under torch.vmap,
+#: `torch.where(c, f16, f64 0-d)` is float64; plainly float16): their operands are cast to the plain
+#: call's result dtype first, as TensorIterator casts them
+_MISPROMOTED = frozenset({"where", "clamp", "clip", "addcmul", "addcdiv"})
+
+
+def _plain_promotion(func, leaves, treedef, batched):
+    """`leaves` with every non-bool tensor cast to the dtype `func` gives on one device's blocks (found
+    on meta tensors)."""
+    meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+            for t in leaves]
+    for i, p in batched:
+        meta[i] = torch.empty(leaves[i].shape[len(p):], dtype=leaves[i].dtype, device="meta")
+    args, kwargs = unflatten(treedef, meta)
+    want = func(*args, **kwargs).dtype
+    return [t.to(want) if isinstance(t, torch.Tensor) and t.dtype not in (want, torch.bool) else t for t in leaves]
+
+
 def run_batched(func, leaves, treedef, batched, out_paxes, body):
     """`func` on the physical leaves under one functorch vmap level per device axis (`level_plan`),
     its decomposition where torch has no batching rule (`run`); the device dims come back leading,
@@ -400,6 +428,10 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
     if not out_paxes:
         args, kwargs = unflatten(treedef, leaves)
         return func(*args, **kwargs)
+    if _autocast():  # vmap drops autocast's casts (torch.vmap does too): device by device, as a process runs it
+        return per_device.retry(func, list(leaves), treedef, batched, out_paxes, body, _call, unflatten, None)
+    if getattr(func, "__name__", "") in _MISPROMOTED and any(leaves[i].dim() == len(p) for i, p in batched):
+        leaves = _plain_promotion(func, leaves, treedef, batched)
     sizes = body.sizes
     order, adds, removes = level_plan(out_paxes, batched)
     levels = []

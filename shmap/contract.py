@@ -24,6 +24,8 @@ def applies(specs, out, operands):
         return False
     if torch._C._are_functorch_transforms_active() or not (a.dtype.is_floating_point and b.dtype == a.dtype):
         return False
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):  # (its casts would be skipped)
+        return False
     sa, sb = specs
     if len(set(sa)) != len(sa) or len(set(sb)) != len(sb) or len(set(out)) != len(out):
         return False

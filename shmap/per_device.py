@@ -26,11 +26,12 @@ _VMAP_REFUSALS = ("vmap", "Batching rule", "batched", "Batched", "batching")
 
 def retry(func, leaves, treedef, batched, out_paxes, body, run, unflatten, error: Exception):
     """`func` once per device of `out_paxes` on each device's block of `leaves` (`batched`: (leaf index,
-    its device axes)); the results stacked with leading device dims in mesh order.  `error` is vmap's."""
+    its device axes)); the results stacked with leading device dims in mesh order.  `error` is vmap's
+    (None: not tried, under autocast, whose casts vmap would drop)."""
     from .tensor import _is_inplace  # (tensor imports batching, which imports this module)
 
     inplace = _is_inplace(func)
-    if inplace and not any(m in str(error) for m in _VMAP_REFUSALS):
+    if inplace and error is not None and not any(m in str(error) for m in _VMAP_REFUSALS):
         raise error
     sizes = [body.sizes[a] for a in out_paxes]
     outs, devices = [], list(itertools.product(*(range(n) for n in sizes)))
@@ -54,7 +55,8 @@ def retry(func, leaves, treedef, batched, out_paxes, body, run, unflatten, error
         except Exception as e:
             if hasattr(e, "add_note"):
                 e.add_note(f"(shmap: raised by {op_name(func)} on device {_where(out_paxes, idx)} of mesh "
-                           f"{body.describe()}, run device by device: vmap cannot batch it, {_first_line(error)})")
+                           f"{body.describe()}, run device by device: "
+                           + (f"vmap cannot batch it, {_first_line(error)})" if error is not None else "under autocast)"))
             raise
     if inplace:
         return None  # (`_dispatch` returns the target itself)

@@ -201,3 +201,54 @@ def test_attention_on_q_k_v_sliced_from_one_projection_folds_the_batch_into_the_
     expect = (out, *torch.autograd.grad(out.sin().sum(), (x, w)))
     for a, b in zip(got, expect):
         assert torch.equal(a, b)
+
+
+def _both(body, x, spec=P("i")):
+    """(shard_mapped body on MESH, the same per-device computation in plain torch, stacked)."""
+    got = shmap.shard_map(body, mesh=MESH, in_specs=spec, out_specs=P("i"))(x)
+    want = torch.cat([body(b) for b in x.chunk(4)])
+    return got, want
+
+
+def test_mm_of_a_varying_block():
+    """`torch.mm` on a block with device dims (3-d) failed ("self must be a matrix"): not direct."""
+    w = torch.randn(3, 5)
+    got, want = _both(lambda v: torch.mm(v, w), torch.randn(8, 3))
+    torch.testing.assert_close(got, want)
+
+
+def test_zero_d_varying_operands_promote_as_plain_torch():
+    """vmap promoted a batched 0-d operand as a full tensor: where / clamp / addcmul of float16 and a
+    varying float64 scalar came back float64 (plain torch and processes: float16)."""
+    def body(v):
+        h, s = v.half(), v.sum().double()
+        outs = (torch.where(v > 0, h, s), torch.clamp(h, min=s), torch.addcmul(h, h, s), torch.addcdiv(h, h, s + 9))
+        return torch.stack([o.float() for o in outs]) if all(o.dtype == torch.float16 for o in outs) else None
+
+    got, want = _both(lambda v: body(v).reshape(1, -1), torch.randn(8, 3))
+    torch.testing.assert_close(got, want)
+
+
+def test_autocast_casts_as_on_one_device():
+    """Under torch.autocast ops vmap batched lost autocast's casts (addmm, conv1d came back float32,
+    cross_entropy's decomposition bfloat16), and an einsum's backward crashed on mixed dtypes."""
+    w, b = torch.randn(6, 5), torch.randn(5)
+    cw = torch.randn(4, 1, 3)
+    t = torch.tensor([0, 1])
+
+    def body(v):
+        return (torch.addmm(b, v, w).dtype, F.conv1d(v.unsqueeze(1), cw).dtype,
+                F.cross_entropy(v[:, :5], t).dtype)
+
+    x = torch.randn(8, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = body(x[:2])
+        seen = []
+        shmap.shard_map(lambda v: seen.append(body(v)) or v, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+    assert seen == [want] == [(torch.bfloat16, torch.bfloat16, torch.float32)]
+    wp = torch.randn(8, 5, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (a row-parallel projection: the tensor=N layout)
+        out = shmap.shard_map(lambda v, w: shmap.psum(torch.einsum("ab,bc->ac", v, w), "i"), mesh=MESH,
+                              in_specs=(P(None, "i"), P("i")), out_specs=P())(torch.randn(6, 8), wp)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and wp.grad.dtype == torch.float32
