@@ -232,23 +232,24 @@ def test_zero_d_varying_operands_promote_as_plain_torch():
 def test_autocast_casts_as_on_one_device():
     """Under torch.autocast ops vmap batched lost autocast's casts (addmm, conv1d came back float32,
     cross_entropy's decomposition bfloat16), and an einsum's backward crashed on mixed dtypes."""
-    w, b = torch.randn(6, 5), torch.randn(5)
-    cw = torch.randn(4, 1, 3)
+    f32 = dict(dtype=torch.float32)  # (autocast casts float32; other test modules make float64 the default)
+    w, b = torch.randn(6, 5, **f32), torch.randn(5, **f32)
+    cw = torch.randn(4, 1, 3, **f32)
     t = torch.tensor([0, 1])
 
     def body(v):
         return (torch.addmm(b, v, w).dtype, F.conv1d(v.unsqueeze(1), cw).dtype,
                 F.cross_entropy(v[:, :5], t).dtype)
 
-    x = torch.randn(8, 6)
+    x = torch.randn(8, 6, **f32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = body(x[:2])
         seen = []
         shmap.shard_map(lambda v: seen.append(body(v)) or v, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
     assert seen == [want] == [(torch.bfloat16, torch.bfloat16, torch.float32)]
-    wp = torch.randn(8, 5, requires_grad=True)
+    wp = torch.randn(8, 5, **f32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # (a row-parallel projection: the tensor=N layout)
         out = shmap.shard_map(lambda v, w: shmap.psum(torch.einsum("ab,bc->ac", v, w), "i"), mesh=MESH,
-                              in_specs=(P(None, "i"), P("i")), out_specs=P())(torch.randn(6, 8), wp)
+                              in_specs=(P(None, "i"), P("i")), out_specs=P())(torch.randn(6, 8, **f32), wp)
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and wp.grad.dtype == torch.float32
