@@ -90,7 +90,7 @@ def psum(x, axis_name):
     x = _countable(x, "psum", axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum(phys, x._paxes, axes, body, logical_shape(x), not body.check_vma)
-    res = _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
+    res = _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body, src=x)
     if x._unreduced:  # psum over an unreduced axis is that pending sum's reduction
         res._unreduced = x._unreduced - set(axes)
     return res
@@ -127,7 +127,7 @@ def _pextremum(kind, x, axis_name):
     _check_reducible(kind, axes, x)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.pextremum(kind, phys, x._paxes, axes, body, x.shape, not body.check_vma)
-    return _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body)
+    return _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body, src=x)
 
 
 def pmax(x, axis_name):
@@ -167,7 +167,7 @@ def pvary(x, axis_name):
     if not added:
         return x
     out, paxes = body.backend.pvary(x._phys, x._paxes, body.order(added), body, x.shape)
-    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body, pvary=True)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body, pvary=True, src=x)
 
 
 # --------------------------------------------------------------------------
@@ -208,7 +208,8 @@ def pcast(x, axis_name, *, to):
             f"can become one (an invariant x would mean {body.sizes[missing[0]]}*x). "
             "Fix: pcast a varying value, or shmap.pvary it first if the multiple is intended."
         )
-    return cow.mark_shared(ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | frozenset(axes)), True)
+    return cow.lend(cow.mark_shared(ShTensor(x._phys, x._paxes, x._vma, body, x._unreduced | frozenset(axes)),
+                                    True), x)
 
 
 # --------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
     out, paxes = body.backend.all_gather(
         phys, x._paxes, axes, body, x.shape, axis, tiled, invariant, not body.check_vma
     )
-    return _out(out, paxes, (_reduced if invariant else _varies)(x._vma, (), axes, 0)[0], body)
+    return _out(out, paxes, (_reduced if invariant else _varies)(x._vma, (), axes, 0)[0], body, src=x)
 
 
 def all_gather(x, axis_name, *, axis=0, tiled=False):
@@ -300,7 +301,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     x = _countable(x, api, axes)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.psum_scatter(phys, x._paxes, axes, body, x.shape, d, tiled)
-    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body, src=x)
 
 
 # --------------------------------------------------------------------------
@@ -319,7 +320,7 @@ def ppermute(x, axis_name, perm):
     pairs = _check_perm(api, perm, n, axes, body)
     phys = _varying(x, axes, body)
     out, paxes = body.backend.ppermute(phys, x._paxes, axes, body, x.shape, pairs)
-    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body, src=x)
 
 
 # --------------------------------------------------------------------------
@@ -378,7 +379,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     _check_split(api, axes, body, x, sa, n, _flag(api, "tiled", tiled), f"split_axis {sa}")
     phys = _varying(x, axes, body)
     out, paxes = body.backend.all_to_all(phys, x._paxes, axes, body, x.shape, sa, ca, tiled)
-    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body)
+    return _out(out, paxes, _varies(x._vma, (), axes, 0)[0], body, src=x)
 
 
 # --------------------------------------------------------------------------

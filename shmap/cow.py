@@ -23,6 +23,8 @@ alike on both meshes, with the fix (update first, or `clone()` first);
 """
 from __future__ import annotations
 
+import weakref
+
 from .errors import VmaError, inplace_input, op_name
 
 
@@ -31,6 +33,42 @@ def mark_shared(x, always: bool):
     it is copied then whatever its layout (pvary: its input's memory on every mesh)."""
     x._shared = "always" if always else "view"
     return x
+
+
+def lend(result, operand):
+    """A collective `result` that still reads `operand`'s memory (a view of it on the simulated mesh, the
+    same tensor for pvary, a gather waiting in its bucket on a process) is noted on the body: before
+    anything writes that memory, `before_write` gives the result memory of its own (`_detach`), so it
+    keeps the values the collective saw, as JAX's would.  Returns `result`."""
+    from .tensor import storage_key
+
+    key = storage_key(operand._phys)
+    if key is None:
+        return result
+    if storage_key(result._phys) == key:
+        result._shared = "always"  # (its own first write must copy too: pmax of an invariant value is its input)
+    elif type(result._phys).__name__ != "Deferred":
+        return result
+    lent = result._body.__dict__.setdefault("lent", {})
+    lent.setdefault(key, []).append(weakref.ref(result))
+    return result
+
+
+def _detach(func, key, x):
+    """Before `func` writes the memory `key`: the results still reading it get their own (`lend`)."""
+    for ref in x._body.lent.pop(key, ()):
+        r = ref()
+        if r is None or r is x or r._shared is None:  # (gone, the target itself, or already its own)
+            continue
+        if r._viewed:
+            raise VmaError(
+                f"{op_name(func)}: in-place update of the input of a pvary or collective whose result `y` has "
+                "views (e.g. `v = y[0:2]`). `y` keeps the values the collective saw (JAX's is a new array), "
+                "but its views share the input's memory and would change with it. Fix: update the input before "
+                "the collective, or take the views of `y.clone()`."
+            )
+        r._phys = r._phys.clone()  # (a pending gather is read first: the wire carries the old values)
+        r._shared = None
 
 
 def note_views(out, shared_inputs, storage_key):
@@ -57,12 +95,20 @@ def before_write(func, x):
     root = x._root
     if root is not None and (root._shared is not None or not _same_memory(x, root)):
         raise VmaError(
-            f"{op_name(func)}: in-place update through a view (e.g. `y[0:2]`, `y.view(...)`, `y.T`) of a "
+            f"{op_name(func)}: in-place update through a view (e.g. `y[0:2]`, `y.view(...)`, `y.T`, or `y` "
+            "as a custom autograd Function's forward or a torch.func transform sees it) of a "
             "pvary or collective result `y` that has not been updated itself. Such a result shares memory "
             "(its input's, or the other devices') until its first in-place update gives it its own, which a "
             "view taken before cannot follow: the write would be lost on the simulated mesh and reach the "
             "pvary's input on processes. Fix: `y = y.clone()` (or update `y` itself first), then take the view."
         )
+    lent = x._body.__dict__.get("lent")
+    if lent:
+        from .tensor import storage_key
+
+        key = storage_key(x._phys)
+        if key in lent:
+            _detach(func, key, x)
     if x._shared is not None:
         if x._viewed:
             raise VmaError(

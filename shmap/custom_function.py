@@ -53,19 +53,25 @@ def _in_body(args, kwargs=None) -> bool:
 class _Type:
     """A body value's type and layout, to rebuild it around another physical tensor."""
 
-    __slots__ = ("paxes", "vma", "unreduced")
+    __slots__ = ("paxes", "vma", "unreduced", "root")
 
-    def __init__(self, paxes, vma, unreduced=frozenset()):
+    def __init__(self, paxes, vma, unreduced=frozenset(), root=None):
         self.paxes, self.vma, self.unreduced = paxes, vma, unreduced
+        #: the pvary / collective result whose memory the value shares (cow.py), if any
+        self.root = root
 
     @staticmethod
     def of(x):
         if isinstance(x, ShTensor):
-            return _Type(x._paxes, x._vma, x._unreduced)
+            root = x._root if x._root is not None else x if x._shared is not None else None
+            return _Type(x._paxes, x._vma, x._unreduced, root)
         return _Type((), frozenset())
 
     def wrap(self, phys, body):
-        return ShTensor(phys, self.paxes, self.vma, body, self.unreduced)
+        t = ShTensor(phys, self.paxes, self.vma, body, self.unreduced)
+        if self.root is not None and self.root._shared is not None:  # rebuilt around shared memory: a write
+            t._root = self.root  # through it is one through a view (refused), as it would lose or leak
+        return t
 
 
 # --------------------------------------------------------------------------

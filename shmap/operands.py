@@ -103,12 +103,16 @@ def _varying(x: ShTensor, axes, body):
     return lift(x, x._vma | frozenset(axes), body)
 
 
-def _out(phys, paxes, vma_, body, *, pvary=False):
+def _out(phys, paxes, vma_, body, *, pvary=False, src=None):
     """Wrap a backend result with the type the collective's rule gives it; it may share memory (its
-    input's, or a recording view) until first written in place (`cow.py`; a pvary's always does)."""
+    input's, or a recording view) until first written in place (`cow.py`; a pvary's always does), and
+    its operand `src` may not be written meanwhile without the result keeping its values (`cow.lend`)."""
     if not body.check_vma:
         vma_ = frozenset(body.axes)
-    return cow.mark_shared(ShTensor(phys, paxes, frozenset(vma_), body), pvary)
+    out = cow.mark_shared(ShTensor(phys, paxes, frozenset(vma_), body), pvary)
+    if src is not None:
+        cow.lend(out, src)
+    return out
 
 
 def _dim(api, what, d, rank, allow_end=False):

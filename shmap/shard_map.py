@@ -196,7 +196,7 @@ def _check_spec(spec, path, shape, mesh, manual, fname, *, what, split=True):
         got = _VALIDATED.get(key)
     except (AttributeError, TypeError):  # not a spec (refused below); symbolic sizes (dynamic shapes) do not hash
         got = None
-    if got is spec or (got is not None and got._entries == spec._entries and got.unreduced == spec.unreduced):
+    if got is not None and (got is spec or (got._entries == spec._entries and got.unreduced == spec.unreduced)):
         return
     _check_spec_uncached(spec, path, shape, mesh, manual, fname, what=what, split=split)
     if all(type(s) is int for s in shape) and len(_VALIDATED) < 65536:
@@ -278,7 +278,10 @@ def _enter(path, value, spec, body, mesh, fname, what):
             return ShTensor(phys, (), vma_, body)
     if isinstance(value, ShTensor) and body.parent is not None and value._body is body.parent:
         _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
-        return nesting.enter(value, spec, body)
+        inner = nesting.enter(value, spec, body)
+        # (read-only as any argument: the simulated mesh would write all of the parent's value, a process its block)
+        _read_only(body, inner._phys, _Argument(what.arg, what.params, fname, path), inner._vma)
+        return inner
     if isinstance(value, ShTensor) and not value._body.active:
         raise SpecError(
             f"shard_map({fname}) {path}: got a value of a shard_map body that has already returned (kept in a "

@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from .errors import VmaError, fmt_vma, op_name, shared_write, storage_layout, varying_control_flow
-from .cow import check_not_argument
+from .cow import before_write, check_not_argument
 from .tensor import _SPECIAL, ShTensor, expand_to, typed_call, vma
 
 
@@ -70,8 +70,11 @@ def _data_get(func, args, kwargs):
 
 
 def _data_set(func, args, kwargs):
-    """`x.data = t`: the physical tensor's data (it was set on the wrapper, and ignored)."""
+    """`x.data = t`: the physical tensor's data (it was set on the wrapper, and ignored).  An argument's is
+    read-only; a pvary or collective result first gets memory of its own (cow.py), as for an in-place op."""
     x = args[0]
+    check_not_argument(func, x)
+    before_write(func, x)
     x._phys.data = to_layout(args[1], x)
     x._lifts = None
 

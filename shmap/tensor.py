@@ -221,6 +221,8 @@ def _is_inplace(func) -> bool:
     got = _INPLACE_CACHE.get(func)
     if got is None:
         name = getattr(func, "__name__", "")
+        if isinstance(func, torch._ops.OpOverload):  # torch.ops.aten.mul_.Tensor: "mul_.Tensor"
+            name = func.overloadpacket.__name__
         got = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
         try:
             _INPLACE_CACHE[func] = got
@@ -353,8 +355,8 @@ def _same_type_elementwise(func, args, kwargs):
                 first = a
             elif a._body is not first._body or a._vma != first._vma or a._phys.dim() != first._phys.dim():
                 return None
-            if a._unreduced:
-                return None
+            if a._unreduced or a._shared is not None or a._root is not None:  # (cow.py: `_dispatch` notes
+                return None  # views, and `y.float()` of a float32 `y` is `y`)
         elif not isinstance(a, _NUMBER):
             return None
     if first is None or not first._body.active:

@@ -59,6 +59,51 @@ def _gather_argument(x):
     return y
 
 
+def _input_written_after(coll):
+    def body(x):
+        z = x * 1
+        y = coll(z)
+        z.add_(100.0)  # y keeps what the collective saw (a view of z on the simulated mesh; z itself for
+        return y  # pvary, and for pmax of an invariant value; a gather waiting in its bucket on processes)
+    return body
+
+
+def _same_dtype_cast(x):
+    y = shmap.pvary(x * 1, "i")
+    y.float().add_(1.0)  # (`.float()` of a float32 value is the value itself: a view too)
+    return y
+
+
+def _aten_overload(x):
+    torch.ops.aten.mul_.Tensor(x, 2.0)  # an argument: read-only through aten's in-place overloads too
+    return x
+
+
+def _data_assignment(x):
+    x.data = torch.zeros_like(x)
+    return x
+
+
+class _AddOne(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, v):
+        v.add_(1.0)
+        ctx.mark_dirty(v)
+        return v
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _function_write(x):
+    return _AddOne.apply(shmap.pvary(x * 1, "i"))  # (the Function's forward sees the shared memory)
+
+
+def _vmap_write(x):
+    return torch.vmap(lambda r: r.add_(1.0))(shmap.pvary(x * 1, "i"))
+
+
 COLLECTIVES = {
     "psum": (lambda x: shmap.psum(x, "i"), P()),
     "all_gather": (lambda x: shmap.all_gather(x, "i", tiled=True), P("i")),
@@ -82,6 +127,14 @@ def run(mesh) -> dict:
              "write_then_view": (_write_then_view, P(), P("i")),
              "clone_then_view": (_clone_then_view, P(), P("i")),
              "gather_argument": (_gather_argument, P("i"), P("i"))}
+    cases.update({"input_written_after: " + k: (_input_written_after(f), P(), P("i") if k != "pmax" else P())
+                  for k, f in (("all_gather", lambda z: shmap.all_gather(z, "i", tiled=True)),
+                               ("all_to_all", lambda z: shmap.all_to_all(shmap.pvary(z, "i"), "i", 0, 0, tiled=True)),
+                               ("pvary", lambda z: shmap.pvary(z, "i")), ("pmax", lambda z: shmap.pmax(z, "i")))})
+    cases.update({"same_dtype_cast": (_same_dtype_cast, P(), P("i")), "aten_overload": (_aten_overload, P("i"), P("i")),
+                  "data_assignment": (_data_assignment, P(), P()), "function_write": (_function_write, P(), P("i")),
+                  "vmap_write": (_vmap_write, P(), P("i")), "function_write_after_clone":
+                  (lambda x: _AddOne.apply(shmap.pvary(x * 1, "i").clone()), P(), P("i"))})
     for name, (body, ins, outs) in cases.items():
         xin = x.clone()
         try:
