@@ -69,8 +69,8 @@ def _input_written_after(coll):
 
 
 def _same_dtype_cast(x):
-    y = shmap.pvary(x * 1, "i")
-    y.float().add_(1.0)  # (`.float()` of a float32 value is the value itself: a view too)
+    y = shmap.pvary(x.float() * 1, "i")
+    y.float().add_(1.0)  # (`.float()` of a float32 value is a view of it)
     return y
 
 
@@ -119,7 +119,7 @@ COLLECTIVES = {
 
 def run(mesh) -> dict:
     out = {}
-    x = torch.arange(4.0)
+    x = torch.arange(4.0, dtype=torch.float32)  # (whatever the default dtype: the ranks use float32)
     cases = {"pvary_then_write": (_pvary_then_write, P(), (P(), P("i"))),
              "write_through_view": (_write_through_view, P(), P("i")),
              "write_after_view": (_write_after_view, P(), P("i")),
@@ -144,7 +144,7 @@ def run(mesh) -> dict:
             out[name] = (type(e).__name__, str(e)[:70])
         out[name + " (argument after)"] = xin.tolist()
     for name, (coll, spec) in COLLECTIVES.items():  # the result updated in place, under grad
-        w = torch.arange(1.0, 5.0, requires_grad=True)
+        w = torch.arange(1.0, 5.0, dtype=torch.float32, requires_grad=True)
 
         def body(v, coll=coll):
             y = coll(v * 1)
@@ -161,7 +161,7 @@ def out_of_place(mesh) -> dict:
     """The collectives' cases written out of place (`y = y * 3`): what the in-place ones must give."""
     out = {}
     for name, (coll, spec) in COLLECTIVES.items():
-        w = torch.arange(1.0, 5.0, requires_grad=True)
+        w = torch.arange(1.0, 5.0, dtype=torch.float32, requires_grad=True)
         res = shmap.shard_map(lambda v, coll=coll: coll(v * 1) * 3.0, mesh=mesh, in_specs=P("i"), out_specs=spec)(w)
         (res.full_tensor() if hasattr(res, "full_tensor") else res).pow(2).sum().backward()
         out["in place under grad: " + name] = (_get(res), w.grad.tolist())

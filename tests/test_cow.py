@@ -23,7 +23,7 @@ def test_in_place_updates_of_shared_values():
     assert got["input_written_after: all_to_all"] == [0.0, 1.0, 0.0, 1.0, 2.0, 3.0, 2.0, 3.0]
     assert got["input_written_after: pvary"] == [0.0, 1.0, 2.0, 3.0] * 2
     assert got["input_written_after: pmax"] == [0.0, 1.0, 2.0, 3.0]
-    assert got["same_dtype_cast"][0] == "VmaError"  # (`y.float()` is `y`: the write was lost)
+    assert got["same_dtype_cast"][0] == "VmaError"  # (`y.float()` of a float32 `y`: the write was lost)
     assert got["aten_overload"][0] == "InPlaceInputError"  # (aten::mul_.Tensor was not seen as in place)
     assert got["data_assignment"][0] == "InPlaceInputError"  # (`.data =` wrote the caller's tensor)
     assert got["function_write"][0] == got["vmap_write"][0] == "VmaError"  # (lost, or wrote pvary's input)
