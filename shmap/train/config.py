@@ -139,7 +139,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.warmup >= 0, f"--warmup {cfg.warmup}: must be >= 0.")
     need(0 <= cfg.seed < 2 ** 32, f"--seed {cfg.seed}: must be in [0, 2**32) (it seeds torch's generators, "
                                   "scaled per use). Fix: e.g. --seed 0.")
-    need(cfg.checkpoint_every >= 0 and cfg.eval_every >= 0, "--checkpoint-every / --eval-every must be >= 0.")
+    need(cfg.checkpoint_every >= 0, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 0 (0: only at the end).")
+    need(cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0 (0: only at the end).")
     need(cfg.eval_batches >= 1, f"--eval-batches {cfg.eval_batches}: must be >= 1 (the validation loss averages "
                                 "that many batches).")
     need(cfg.sample_len >= 0, f"--sample-len {cfg.sample_len}: must be >= 0 (0: no sample).")

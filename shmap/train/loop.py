@@ -197,7 +197,8 @@ def train(cfg: Config, log=print) -> dict:
     if cfg.progress and main_rank:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                   mininterval=0.1 if sys.stderr.isatty() else 10.0)  # (a log file: a frame per 10 s)
     writer = RecordWriter(out / "metrics.jsonl" if out is not None and main_rank else None, bar, log)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     last_saved = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
@@ -221,7 +222,8 @@ def train(cfg: Config, log=print) -> dict:
                 writer.flush()
                 val = run.evaluate(params)
                 writer.write({"step": done, "val_loss": val})  # the loss after `done` updates
-                line = f"step {done}: train {writer.history[-2]['train_loss']:.4f}  val {val:.4f}"
+                last = writer.history[-2]  # (step `done - 1`'s loss, as metrics.jsonl records it; val: after it)
+                line = f"step {last['step']}: train {last['train_loss']:.4f}  val {val:.4f} (after {done} steps)"
                 if bar is not None:
                     bar.write(line)  # above the bar
                 else:

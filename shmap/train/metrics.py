@@ -53,7 +53,10 @@ class RecordWriter:
             self.file.write(json.dumps(out) + "\n")
             self.file.flush()
         if self.progress is not None and "train_loss" in out:
-            self.progress.set_postfix(loss=f"{out['train_loss']:.3f}", tok_s=f"{out['tokens_per_s']:.0f}")
+            # (no redraw here: the bar's own update redraws, at most every mininterval; a redraw a step wrote
+            # a frame per step to a log file)
+            self.progress.set_postfix(loss=f"{out['train_loss']:.3f}", tok_s=f"{out['tokens_per_s']:.0f}",
+                                      refresh=False)
 
     def flush(self):
         self(None)
@@ -104,8 +107,9 @@ def check_output_dirs(cfg: Config):
             with tempfile.TemporaryFile(dir=d):
                 pass
         except OSError as e:
-            raise ConfigError(f"{flag} {d}: cannot be made a writable directory ({e.strerror or e}). Fix: a "
-                              "writable directory path.") from None
+            what = "is a file, not a directory" if Path(d).is_file() else \
+                f"cannot be made a writable directory ({e.strerror or e})"
+            raise ConfigError(f"{flag} {d}: {what}. Fix: a writable directory path.") from None
     for name in ("metrics.jsonl", "loss.png", "sample.txt") if cfg.out else ():  # (what rank 0 writes there)
         path = Path(cfg.out) / name
         if path.exists() and not path.is_file():
@@ -113,8 +117,10 @@ def check_output_dirs(cfg: Config):
                               f"its {name} there. Fix: move it away, or another --out.")
     metrics = Path(cfg.out) / "metrics.jsonl" if cfg.out else None
     if metrics is not None and not cfg.resume and metrics.is_file() and metrics.stat().st_size:
-        raise ConfigError(f"--out {cfg.out} holds an earlier run's metrics.jsonl, which a new run would replace. "
-                          "Fix: another (or an emptied) --out, or --resume to continue that run.")
+        raise ConfigError(f"--out {cfg.out} holds an earlier run's metrics.jsonl, which a new run would replace "
+                          "(each run writes its own --out; the default is runs/train). Fix: another --out, e.g. "
+                          "--out runs/mine, or empty that one; or, to continue that run, --resume with the "
+                          "--checkpoint-dir it saved its checkpoints in.")
 
 
 def keep_metrics_before(path: Path, start: int, end: int | None = None):

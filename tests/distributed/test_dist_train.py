@@ -106,7 +106,7 @@ def test_an_out_path_that_is_a_file_is_refused_on_every_rank(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("")
     p = _torchrun(2, "--mesh", "data=2", "--steps", "2", "--out", str(f))
-    assert p.returncode != 0 and f"--out {f}: cannot be made a writable directory" in p.stderr
+    assert p.returncode != 0 and f"--out {f}: is a file, not a directory" in p.stderr
     assert f.read_text() == ""  # nothing written over the user's file
 
 

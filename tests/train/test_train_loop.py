@@ -182,7 +182,7 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_bad_output_paths(tmp_pat
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for flag, kw in (("--out", dict(out=str(a_file))), ("--checkpoint-dir", dict(checkpoint_dir=str(a_file)))):
-        with pytest.raises(ConfigError, match=f"{flag} {a_file}: cannot be made a writable directory"):
+        with pytest.raises(ConfigError, match=f"{flag} {a_file}: is a file, not a directory"):
             loop.train(tiny("none", steps=2, **kw), **QUIET)
 
 
@@ -194,7 +194,8 @@ def test_output_dirs_must_be_writable_and_a_new_run_keeps_an_earlier_runs_metric
     out = tmp_path / "o"
     loop.train(tiny("none", steps=2, out=str(out)), **QUIET)
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"--out .* holds an earlier run's metrics.jsonl.*Fix: another"):
+    with pytest.raises(ConfigError, match=r"--out .* holds an earlier run.s metrics.jsonl.*Fix: another --out"
+                                          r".*--resume with the --checkpoint-dir"):
         loop.train(tiny("none", steps=3, out=str(out)), **QUIET)
     assert (out / "metrics.jsonl").read_text() == before
 

@@ -54,3 +54,21 @@ def test_a_finished_run_resumed_drops_its_final_validation_line(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     metrics.keep_metrics_before(path, 2, end=2)
     assert metrics.read_history(path) == lines[:2]
+
+
+def test_the_progress_bar_does_not_redraw_every_step():
+    """set_postfix redrew the bar at every step: `make train > log` wrote a frame per step."""
+    import io
+
+    from tqdm import tqdm
+
+    sink = io.StringIO()
+    bar = tqdm(total=300, file=sink, mininterval=10.0)
+    w = metrics.RecordWriter(None, bar, print)
+    for k in range(300):
+        w({"step": k, "train_loss": torch.tensor(1.0), "grad_norm": torch.tensor(1.0), "lr": 0.1,
+           "tokens_per_s": 1.0})
+        bar.update(1)
+    w.flush()
+    bar.close()
+    assert sink.getvalue().count("\r") < 10
