@@ -395,10 +395,6 @@ def run_op(func, leaves, treedef, batched, union, inplace, body):
     return run_batched(func, leaves, treedef, batched, out_paxes, body), out_paxes
 
 
-def _autocast() -> bool:
-    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
-
-
 def _call(func, args, kwargs):
     return func(*args, **kwargs)
 
@@ -428,7 +424,7 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
     if not out_paxes:
         args, kwargs = unflatten(treedef, leaves)
         return func(*args, **kwargs)
-    if _autocast():  # vmap drops autocast's casts (torch.vmap does too): device by device, as a process runs it
+    if contract.autocast_on():  # vmap drops autocast's casts (torch.vmap too): device by device, as processes run it
         return per_device.retry(func, list(leaves), treedef, batched, out_paxes, body, _call, unflatten, None)
     if getattr(func, "__name__", "") in _MISPROMOTED and any(leaves[i].dim() == len(p) for i, p in batched):
         leaves = _plain_promotion(func, leaves, treedef, batched)

@@ -14,6 +14,11 @@ from typing import NamedTuple
 import torch
 
 
+def autocast_on() -> bool:
+    """Whether torch.autocast is on (for the CPU or a GPU): ops must then meet torch's own kernels."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
 def applies(specs, out, operands):
     """Whether `Contract` computes this einsum: two real floating operands, each letter once per
     term and in two of the three terms, equal sizes for a shared letter, a GEMM with no dimension
@@ -24,7 +29,7 @@ def applies(specs, out, operands):
         return False
     if torch._C._are_functorch_transforms_active() or not (a.dtype.is_floating_point and b.dtype == a.dtype):
         return False
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):  # (its casts would be skipped)
+    if autocast_on():  # (autocast's casts would be skipped)
         return False
     sa, sb = specs
     if len(set(sa)) != len(sa) or len(set(sb)) != len(sb) or len(set(out)) != len(out):

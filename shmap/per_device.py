@@ -56,7 +56,8 @@ def retry(func, leaves, treedef, batched, out_paxes, body, run, unflatten, error
             if hasattr(e, "add_note"):
                 e.add_note(f"(shmap: raised by {op_name(func)} on device {_where(out_paxes, idx)} of mesh "
                            f"{body.describe()}, run device by device: "
-                           + (f"vmap cannot batch it, {_first_line(error)})" if error is not None else "under autocast)"))
+                           + (f"vmap cannot batch it, {_first_line(error)})" if error is not None
+                              else "under autocast)"))
             raise
     if inplace:
         return None  # (`_dispatch` returns the target itself)
