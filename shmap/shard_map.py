@@ -274,13 +274,13 @@ def _enter(path, value, spec, body, mesh, fname, what):
         got = body.backend.enter_block(value, spec, body)
         if got is not None:
             phys, vma_ = got
-            _read_only(body, phys, _Argument(what.arg, what.params, fname, path), vma_)
+            _read_only(body, phys, _Argument(what.arg, what.params, fname, path, body.kind), vma_)
             return ShTensor(phys, (), vma_, body)
     if isinstance(value, ShTensor) and body.parent is not None and value._body is body.parent:
         _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
         inner = nesting.enter(value, spec, body)
         # (read-only as any argument: the simulated mesh would write all of the parent's value, a process its block)
-        _read_only(body, inner._phys, _Argument(what.arg, what.params, fname, path), inner._vma)
+        _read_only(body, inner._phys, _Argument(what.arg, what.params, fname, path, body.kind), inner._vma)
         return inner
     if isinstance(value, ShTensor) and not value._body.active:
         raise SpecError(
@@ -322,14 +322,14 @@ def _enter(path, value, spec, body, mesh, fname, what):
     phys, paxes = body.backend.split(value, spec, body)
     phys, paxes, vma_ = body.backend.input_value(phys, paxes, body)
     if caller_tensor:
-        _read_only(body, phys, _Argument(what.arg, what.params, fname, path), vma_)
+        _read_only(body, phys, _Argument(what.arg, what.params, fname, path, body.kind), vma_)
     if spec.unreduced:
         if not body.check_vma:
             raise SpecError(f"shard_map({fname}) {path}: unreduced in_specs need check_vma=True.")
         axes = body.order(spec.unreduced)
         phys, paxes = body.backend.unreduced_input(phys, paxes, axes, body)
         if caller_tensor:  # (a fresh tensor on some devices, the caller's on others: read-only on all)
-            _read_only(body, phys, _Argument(what.arg, what.params, fname, path), vma_ | spec.unreduced)
+            _read_only(body, phys, _Argument(what.arg, what.params, fname, path, body.kind), vma_ | spec.unreduced)
         return ShTensor(phys, paxes, vma_ | spec.unreduced, body, spec.unreduced)
     return ShTensor(phys, paxes, vma_, body)
 
@@ -339,15 +339,15 @@ class _Argument:
     shard_map(f) at in_specs[0]"), formatted only when a message is: the boundary makes one per
     leaf per call."""
 
-    __slots__ = ("arg", "params", "fname", "path")
+    __slots__ = ("arg", "params", "fname", "path", "kind")
 
-    def __init__(self, arg, params, fname=None, path=None):
-        self.arg, self.params, self.fname, self.path = arg, params, fname, path
+    def __init__(self, arg, params, fname=None, path=None, kind="shard_map"):
+        self.arg, self.params, self.fname, self.path, self.kind = arg, params, fname, path, kind
 
     def __str__(self):
         arg, params = self.arg, self.params
         s = f"argument {arg}" + (f" ({params[arg]!r})" if arg is not None and arg < len(params) else "")
-        return s if self.fname is None else f"{s} of shard_map({self.fname}) at {self.path}"
+        return s if self.fname is None else f"{s} of {self.kind}({self.fname}) at {self.path}"
 
     def __format__(self, format_spec):
         return format(str(self), format_spec)

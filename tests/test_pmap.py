@@ -307,6 +307,11 @@ def test_error_inner_axis_shadows_outer():
         outer(torch.ones(2, 2))
 
 
+def test_error_in_place_update_of_an_argument_names_pmap():
+    with pytest.raises(shmap.InPlaceInputError, match=r"argument 0 .* of pmap\(<lambda>\)"):
+        shmap.pmap(lambda a: a.add_(1), "p")(torch.ones(2, 3))
+
+
 def test_error_shard_map_in_a_pmap_body():
     """A shard_map cannot nest in a pmap (pmap's mesh is its own): passing or closing over a pmap body's
     value names that and the fix, not "use the same mesh", which the user cannot do."""

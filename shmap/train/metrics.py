@@ -99,6 +99,10 @@ def check_output_dirs(cfg: Config):
     run does not write over an earlier run's metrics (as it does not over its checkpoints)."""
     import tempfile
 
+    if cfg.resume and cfg.checkpoint_dir and not Path(cfg.checkpoint_dir).exists():  # (not made, then refused)
+        raise ConfigError(f"--resume: --checkpoint-dir {cfg.checkpoint_dir} does not exist, so there is no checkpoint "
+                          "to continue from. Fix: the directory the run saved in, or drop --resume to start a new "
+                          "run.")
     for flag, d in (("--out", cfg.out), ("--checkpoint-dir", cfg.checkpoint_dir)):
         if not d:
             continue

@@ -55,6 +55,10 @@ def test_a_checkpoint_of_another_model_shape_is_refused(saved):
 def test_resume_without_a_checkpoint_says_so(tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint in --checkpoint-dir"):
         loop.train(tiny("none", checkpoint_dir=str(tmp_path), resume=True), log=lambda *a: None)
+    missing = tmp_path / "nothere"  # (was made, then the run was refused: an empty directory left behind)
+    with pytest.raises(ConfigError, match=r"--resume: --checkpoint-dir .*nothere does not exist"):
+        loop.train(tiny("none", checkpoint_dir=str(missing), resume=True), log=lambda *a: None)
+    assert not missing.exists()
 
 
 def test_an_unfinished_save_is_never_taken_for_a_checkpoint(saved, tmp_path):
