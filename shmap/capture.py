@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import ops, small_matmul
-from .tensor import storage_key
+from .cow import storage_key
 
 _Tensor = torch.Tensor
 

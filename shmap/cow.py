@@ -25,7 +25,30 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 from .errors import VmaError, inplace_input, op_name
+
+#: tensors with real storage (a module's parameter included, closed over by a traced body)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def storage_key(t):
+    """Identity of `t`'s storage (views share it), or None where there is none to read.
+
+    A real tensor's is its data pointer (empty tensors all sit at 0: none).  Under a torch.func
+    transform the wrapped tensor's; while torch.compile traces (fake and functional tensors, which
+    have no data) the storage object's: views share it, copies do not.  (Without these the read-only
+    arguments and the copy of an argument returned as it is were skipped whenever a body was traced.)
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    try:
+        if type(t) in PLAIN:
+            return t.untyped_storage().data_ptr() or None
+        return ("traced", t.untyped_storage()._cdata)
+    except Exception:  # noqa: BLE001 - a tensor without storage
+        return None
 
 
 def mark_shared(x, always: bool):
@@ -35,13 +58,23 @@ def mark_shared(x, always: bool):
     return x
 
 
+def shared_root(x):
+    """The shared value whose memory `x` is or views (None: memory of its own)."""
+    return x._root if x._root is not None else x if x._shared is not None else None
+
+
+def note_view(view, of):
+    """`view` shares the memory of `of`, a shared value or a view of one."""
+    root = shared_root(of)
+    view._root = root
+    root._viewed = True
+
+
 def lend(result, operand):
     """A collective `result` that still reads `operand`'s memory (a view of it on the simulated mesh, the
     same tensor for pvary, a gather waiting in its bucket on a process) is noted on the body: before
     anything writes that memory, `before_write` gives the result memory of its own (`_detach`), so it
     keeps the values the collective saw, as JAX's would.  Returns `result`."""
-    from .tensor import storage_key
-
     key = storage_key(operand._phys)
     if key is None:
         return result
@@ -71,21 +104,17 @@ def _detach(func, key, x):
         r._shared = None
 
 
-def note_views(out, shared_inputs, storage_key):
+def note_views(out, shared_inputs):
     """After an op on shared values (or views of them): mark outputs that view their memory."""
     outs = out if isinstance(out, (list, tuple)) else (out,)
     for o in outs:
         phys = getattr(o, "_phys", None)
-        if phys is None:
-            continue
-        key = storage_key(phys)
+        key = None if phys is None else storage_key(phys)
         if key is None:
             continue
         for leaf in shared_inputs:
             if storage_key(leaf._phys) == key:
-                root = leaf._root if leaf._root is not None else leaf
-                o._root = root
-                root._viewed = True
+                note_view(o, leaf)
                 break
 
 
@@ -93,7 +122,8 @@ def before_write(func, x):
     """Give `x` memory of its own before an in-place op writes it, where it shares memory; refuse a
     write that a view of shared memory cannot carry."""
     root = x._root
-    if root is not None and (root._shared is not None or not _same_memory(x, root)):
+    if root is not None and (root._shared is not None or
+                             storage_key(x._phys) != storage_key(root._phys)):
         raise VmaError(
             f"{op_name(func)}: in-place update through a view (e.g. `y[0:2]`, `y.view(...)`, `y.T`, or `y` "
             "as a custom autograd Function's forward or a torch.func transform sees it) of a "
@@ -104,11 +134,10 @@ def before_write(func, x):
         )
     lent = x._body.__dict__.get("lent")
     if lent:
-        from .tensor import storage_key
-
         key = storage_key(x._phys)
         if key in lent:
             _detach(func, key, x)
+    copy = False
     if x._shared is not None:
         if x._viewed:
             raise VmaError(
@@ -117,10 +146,9 @@ def before_write(func, x):
                 "its own, so the view would keep the old values (and on processes the pvary's input would "
                 "change). Fix: update it before taking views, or clone it first: `y = y.clone()`."
             )
-        if x._shared == "always" or x._phys._is_view() or _broadcast(x):
-            x._phys = x._phys.clone()
+        copy = x._shared == "always" or x._phys._is_view()
         x._shared = None
-    elif _broadcast(x):  # (a check_vma=False argument lifted to every axis)
+    if copy or _broadcast(x):  # (also a check_vma=False argument, lifted to every axis)
         x._phys = x._phys.clone()
 
 
@@ -131,16 +159,13 @@ def check_not_argument(func, x):
     is a new value (`before_write` gives it its own on its first in-place update).
     """
     marked = x._body.__dict__.get("read_only")
-    if marked:
-        from .tensor import storage_key
-
-        got = marked.get(storage_key(x._phys))
-        if got is not None:
-            who, arg_vma = got
-            if x._shared is None and x._root is None and x._vma <= arg_vma:
-                raise inplace_input(op_name(func), who, x._body)
-            if x._shared is None and x._root is None:
-                x._phys = x._phys.clone()  # (a lifted argument: a new value in JAX)
+    got = marked.get(storage_key(x._phys)) if marked else None
+    if got is None or shared_root(x) is not None:
+        return
+    who, arg_vma = got
+    if x._vma <= arg_vma:
+        raise inplace_input(op_name(func), who, x._body)
+    x._phys = x._phys.clone()  # (a lifted argument: a new value in JAX)
 
 
 def _broadcast(x) -> bool:
@@ -150,9 +175,3 @@ def _broadcast(x) -> bool:
         return False
     st = x._phys.stride()
     return any(st[d] == 0 and x._phys.shape[d] > 1 for d in range(k))
-
-
-def _same_memory(x, root) -> bool:
-    from .tensor import storage_key
-
-    return storage_key(x._phys) == storage_key(root._phys)

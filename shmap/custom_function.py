@@ -20,6 +20,7 @@ import torch
 
 from . import context
 from .backends.functions import _Function
+from .cow import shared_root
 from .errors import VmaError, fmt_vma
 from .tensor import ShTensor, expand_to
 
@@ -63,8 +64,7 @@ class _Type:
     @staticmethod
     def of(x):
         if isinstance(x, ShTensor):
-            root = x._root if x._root is not None else x if x._shared is not None else None
-            return _Type(x._paxes, x._vma, x._unreduced, root)
+            return _Type(x._paxes, x._vma, x._unreduced, shared_root(x))
         return _Type((), frozenset())
 
     def wrap(self, phys, body):

@@ -92,7 +92,7 @@ from torch._C._dynamo.guards import TensorGuards
 
 from . import comm, context
 from .capture import _DISTRIBUTED, JitError, capture_grad, capture_inference
-from .tensor import storage_key
+from .cow import storage_key
 
 __all__ = ["jit", "Jitted", "JitError"]
 

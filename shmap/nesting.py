@@ -24,9 +24,10 @@ from __future__ import annotations
 import optree
 
 from . import context
+from .cow import storage_key
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh
-from .tensor import ShTensor, storage_key
+from .tensor import ShTensor
 
 
 def same_mesh(a: Mesh, b: Mesh) -> bool:

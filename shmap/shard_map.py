@@ -22,11 +22,12 @@ import torch
 from . import context, foreach, nesting, special  # noqa: F401  (special, foreach: fill tensor._SPECIAL before any body runs)
 from .backends import for_mesh
 from .compile import graph_call, python_state
+from .cow import storage_key
 from .errors import SpecError, VmaError, fmt_vma, nested_in_pmap
 from .mesh import Mesh, PartitionSpec
 from .operands import plain_value
 from .spec_tree import cached_match, freeze
-from .tensor import ShTensor, logical_shape, storage_key, vma
+from .tensor import ShTensor, logical_shape, vma
 
 
 def shard_map(f=None, /, *, mesh, in_specs, out_specs, axis_names=None, check_vma=True):

@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from .errors import VmaError, fmt_vma, op_name, shared_write, storage_layout, varying_control_flow
-from .cow import before_write, check_not_argument
+from .cow import before_write, check_not_argument, note_view, shared_root
 from .tensor import _SPECIAL, ShTensor, expand_to, typed_call, vma
 
 
@@ -63,9 +63,8 @@ def _data_get(func, args, kwargs):
     x = args[0]
     r = ShTensor(x._phys.data, x._paxes, x._vma, x._body)
     r._source = x  # (an in-place update through it makes x's memoised lifts stale: tensor._dispatch)
-    if x._shared is not None or x._root is not None:  # a view of shared memory (cow.py)
-        r._root = x._root if x._root is not None else x
-        r._root._viewed = True
+    if shared_root(x) is not None:  # a view of shared memory (cow.py)
+        note_view(r, x)
     return r
 
 

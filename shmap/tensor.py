@@ -38,6 +38,7 @@ import optree
 import torch
 
 from . import batching, context, cow, unreduced
+from .cow import PLAIN as _PLAIN
 from .errors import VmaError, fmt_vma, inplace_input, nested_in_pmap, no_torch_function, op_name, storage_layout
 
 
@@ -232,7 +233,6 @@ def _is_inplace(func) -> bool:
 
 
 _EMPTY = frozenset()
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (a module's parameter, closed over by a traced body)
 
 
 def _dispatch(func, args, kwargs):
@@ -325,7 +325,7 @@ def _dispatch(func, args, kwargs):
     res = (ShTensor(out, out_paxes, union, body, out_unreduced) if type(out) is torch.Tensor
            else _wrap_out(out, out_paxes, union, body, out_unreduced))
     if shared:
-        cow.note_views(res, shared, storage_key)
+        cow.note_views(res, shared)
     return res
 
 
@@ -458,21 +458,3 @@ def _check_inplace(func, self_val, union, body):
                "same on every device, in the same call)." if getattr(func, "__name__", "").startswith("_fused_")
                else "Fix: compute out of place, e.g. `x = x + y`, or `x = shmap.pvary(x, axes)` first.")
         )
-
-
-def storage_key(t):
-    """Identity of `t`'s storage (views share it), or None where there is none to read.
-
-    A real tensor's is its data pointer (empty tensors all sit at 0: none).  Under a torch.func
-    transform the wrapped tensor's; while torch.compile traces (fake and functional tensors, which
-    have no data) the storage object's: views share it, copies do not.  (Without these the read-only
-    arguments and the copy of an argument returned as it is were skipped whenever a body was traced.)
-    """
-    while torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_batchedtensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    try:
-        if type(t) in _PLAIN:
-            return t.untyped_storage().data_ptr() or None
-        return ("traced", t.untyped_storage()._cdata)
-    except Exception:  # noqa: BLE001 - a tensor without storage
-        return None

@@ -308,7 +308,7 @@ def test_python_state_reads_what_a_trace_freezes():
 def test_arguments_stay_read_only_when_the_body_is_traced():
     """torch.compile, shmap.jit and torch.func.vmap trace the body on tensors without data (fake, functional,
     batched); the read-only check found no storage there and let an in-place update write the caller's
-    tensor (tensor.storage_key now reads the traced tensor's storage, or the wrapped one's)."""
+    tensor (cow.storage_key now reads the traced tensor's storage, or the wrapped one's)."""
     f = shmap.shard_map(lambda v: v.mul_(2), mesh=MESH, in_specs=P("i"), out_specs=P("i"))
     for name, traced in (("compile", torch.compile(f, backend="aot_eager")), ("jit", shmap.jit(f)),
                          ("vmap", torch.func.vmap(f))):
