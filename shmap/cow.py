@@ -168,6 +168,15 @@ def check_not_argument(func, x):
     x._phys = x._phys.clone()  # (a lifted argument: a new value in JAX)
 
 
+def not_an_argument(body, phys):
+    """An output's physical tensor, copied if it is an argument's memory (an argument, a view of it, a
+    pvary of it, returned as it is): the output is a new tensor, as JAX's are.  Else it would alias the
+    caller's tensor (the parent body's value, nested), and an in-place update of the output would write
+    the whole of it on the simulated mesh but only this rank's block of it on a distributed one."""
+    marked = body.__dict__.get("read_only")
+    return phys.clone() if marked and storage_key(phys) in marked else phys
+
+
 def _broadcast(x) -> bool:
     """Whether `x`'s device dims are a stride-0 broadcast (pvary on the simulated mesh)."""
     k = len(x._paxes)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import optree
 
 from . import context
-from .cow import storage_key
+from .cow import not_an_argument
 from .errors import SpecError, VmaError, fmt_vma
 from .mesh import Mesh
 from .tensor import ShTensor
@@ -148,9 +148,7 @@ def exit(path, value, spec, body, mesh, fname):
     # JAX's implicit pvary of an invariant value tiled into a mapped output (named axes are
     # never unreduced ones, so the pending sum does not change which)
     tiled = body.order(frozenset(a for a in named if a not in x._vma))
-    marked = body.__dict__.get("read_only")
-    if marked and storage_key(x._phys) in marked:  # an argument returned as it is: a new value (shard_map._exit)
-        x = ShTensor(x._phys.clone(), x._paxes, x._vma, body, x._unreduced)
-    phys, paxes = body.backend.exit_nested(x._phys, x._paxes, spec, body, x.shape, own_unred, tiled)
+    phys, paxes = body.backend.exit_nested(not_an_argument(body, x._phys), x._paxes, spec, body, x.shape, own_unred,
+                                           tiled)
     # every own axis it varied along is named (checked above) or was pending: whole along all of them now
     return ShTensor(phys, paxes, x._vma - own, parent, x._unreduced - own)

@@ -22,7 +22,7 @@ import torch
 from . import context, foreach, nesting, special  # noqa: F401  (special, foreach: fill tensor._SPECIAL before any body runs)
 from .backends import for_mesh
 from .compile import graph_call, python_state
-from .cow import storage_key
+from .cow import not_an_argument, storage_key
 from .errors import SpecError, VmaError, fmt_vma, nested_in_pmap
 from .mesh import Mesh, PartitionSpec
 from .operands import plain_value
@@ -398,13 +398,7 @@ def _exit(path, value, spec, body, mesh, fname):
             # per-device cotangents, which its transpose psums.
             phys, paxes = body.backend.pvary(phys, paxes, tiled, body, shape)
             vma_ = vma_ | frozenset(tiled)
-    marked = body.__dict__.get("read_only")
-    if marked and storage_key(phys) in marked:
-        # An argument (or a view of it, a pvary of it) returned as it is: the output is a new tensor, as
-        # JAX's are.  Else it would alias the caller's tensor, and an in-place update of the output would
-        # write the whole of it on the simulated mesh but only this rank's block of it on a distributed one.
-        phys = phys.clone()
-    return body.backend.assemble(phys, paxes, spec, body, shape)
+    return body.backend.assemble(not_an_argument(body, phys), paxes, spec, body, shape)
 
 
 def _output_value(path, value, body, fname) -> ShTensor:
