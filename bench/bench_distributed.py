@@ -24,7 +24,10 @@ gradient with the single-process gradient of the same global loss, and times
 the step (ratio shmap / DDP).  DDP's step does not compute the global loss;
 shmap's step with DDP's communication (each rank keeps its share of the loss,
 out_specs P('i'); one all_reduce, of the gradients) is timed beside it, with
-checks on (the default) and off: the difference is what the guard costs.
+checks on (the default) and off: the difference is what the guard costs;
+and jitted (`shmap.jit`: the step captured once, compiled by Inductor and
+replayed, the guard's checks inside the replay), which takes the body's
+per-op Python off the step.
 
 All figures come from one run, side by side.  Timings on a shared or
 oversubscribed machine are noisy: compare ratios within one run only.
@@ -307,6 +310,26 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
         a, b = fresh()
         return lambda: step(x, y, a, b).full_tensor().backward()
 
+    # ... and the same step jitted (`shmap.jit`: captured once, compiled by Inductor, replayed with none of
+    # the body's Python; the guard's checks run inside the replay)
+    jitted = shmap.jit(lambda x, y, a, b: shares(x, y, a, b).to_local())
+
+    def jit_run():
+        a, b = fresh()
+        return lambda: jitted(x, y, a, b).sum().backward()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = fresh()
+    jitted(x, y, a, b).sum().backward()  # (the capture)
+    a, b = fresh()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # (a replay's collectives are functional
+        jitted(x, y, a, b).sum().backward()                   # collectives: counted as gloo operations)
+    gloo = {e.key[5:]: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
+    gloo.pop("barrier", None)
+    out["shares jit"] = dict(calls=gloo, bytes=None, err=max(rel_err(a.grad, true[0]), rel_err(b.grad, true[1])),
+                             ratio=(a.grad.norm() / true[0].norm()).item())
+
     def shares_run(checks=True):
         shmap.configure_distributed(check_collectives=checks)
         a, b = fresh()
@@ -323,7 +346,7 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
 
     prepare = {"shmap": lambda: shmap_step(True), "shmap (checks off)": lambda: shmap_step(False),
                "shmap shares": shares_run, "shares (checks off)": lambda: shares_run(False), "ddp": lambda: ddp_step,
-               "tdnn+ddp": tdnn_run}
+               "tdnn+ddp": tdnn_run, "shares jit": jit_run}
     names = list(prepare)
     times = {k: [] for k in names}
     cpu = {k: [] for k in names}
@@ -351,6 +374,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--skip-part1", action="store_true", help="only part 2 (the data-parallel step)")
     ap.add_argument("--sizes", default="4 KiB,1 MiB,16 MiB", help="Part 1 block sizes, from: 4 KiB,1 MiB,16 MiB")
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -366,7 +390,7 @@ def main():
             f"{'/alloc':>6} {'off':>9} {'/alloc':>6} {'strict':>9} {'/alloc':>6}")
     print(head)
     print("-" * len(head))
-    for world in worlds:
+    for world in ([] if args.skip_part1 else worlds):
         sizes = [sz for sz in SIZES if sz[1] in args.sizes.split(",")]
         res = shmap.spawn(collective_worker, sizes, args.quick, nprocs=world, timeout=600)[0]
         for (label, name), t in res.items():
@@ -382,11 +406,13 @@ def main():
         print(f"\n  world {world}:")
         for key, what in (("shmap", "shmap (psum of the loss; pvary'd weights)"),
                           ("shmap shares", "shmap, per-rank loss shares (DDP's communication)"),
+                          ("shares jit", "  ... jitted (a replay)"),
                           ("tdnn", "torch.distributed.nn.functional.all_reduce"),
                           ("tdnn+ddp", "  ... + all_reduce of each weight's gradient")):
             v = r[key]
             n = sum(v["calls"].values())
-            print(f"    {what:<48} {n} collectives {v['calls']}, {v['bytes']:>8} bytes; "
+            nbytes = "  (gloo)" if v["bytes"] is None else f"{v['bytes']:>8}"
+            print(f"    {what:<48} {n} collectives {v['calls']}, {nbytes} bytes; "
                   f"grad error {v['err']:.2e} (x{v['ratio']:.2f})")
         s, t = r["shmap"], r["tdnn+ddp"]
         print(f"    shmap's comm_log agrees: {s['log']} , {s['log_bytes']} bytes")
@@ -403,10 +429,12 @@ def main():
               f"{tm['shmap shares'] * 1e3:.2f} ms = x{q['shmap shares']:.2f} DDP; checks off "
               f"{tm['shares (checks off)'] * 1e3:.2f} ms = x{q['shares (checks off)']:.2f} (what the guard costs: "
               f"the difference)")
+        print(f"    the same step jitted (shmap.jit: Inductor's code replayed, default checks inside): {tm['shares jit'] * 1e3:.2f} ms = x{q['shares jit']:.2f} DDP")
         c = r["cpu"]
         print(f"    main-thread CPU per step (rank 0; steadier than wall time on a busy machine): shares "
               f"{c['shmap shares'] * 1e3:.2f} ms = x{c['shmap shares'] / c['ddp']:.2f} DDP's {c['ddp'] * 1e3:.2f} ms; "
-              f"shares with checks off {c['shares (checks off)'] * 1e3:.2f} ms; default {c['shmap'] * 1e3:.2f} ms")
+              f"shares with checks off {c['shares (checks off)'] * 1e3:.2f} ms; jitted {c['shares jit'] * 1e3:.2f} ms; "
+              f"default {c['shmap'] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,14 @@ compiled by Inductor (or its FX graph replayed, `backend="eager"`).  With
 gradients: AOT autograd's forward and backward graphs, traced through
 autograd Functions, so a replay's gradients and `comm_log` events are
 eager's.  `_check_graph` refuses what a replay would get wrong: a tensor
-constant the function closes over, and the distributed mesh's collectives.
+constant the function closes over.  (On the distributed mesh the graphs hold
+torch's functional collectives and the guard's ops, `backends/traced.py`,
+which run at every replay.)
+
+The differentiable capture partitions forward and backward with AOT
+autograd's min-cut partitioner, as `torch.compile` does: its default
+partitioner recomputed `scaled_dot_product_attention`'s forward in the
+backward graph (a Transformer's attention ran three times a step).
 """
 from __future__ import annotations
 
@@ -22,13 +29,6 @@ _Tensor = torch.Tensor
 
 class JitError(RuntimeError):
     """`shmap.jit` cannot capture this function as written; the message names the fix."""
-
-
-_DISTRIBUTED = (
-    "shmap.jit captures programs on the simulated mesh only; this call reaches the distributed mesh "
-    "(one process per device), whose collectives must run under the guard's run-time checks. "
-    "Fix: use torch.compile(f) there (its graphs carry the checks; see shmap/compile.py), or call f eagerly."
-)
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh_copy.default
@@ -48,10 +48,6 @@ def _check_graph(gm, name):
                     "that tensor even after it is rebound, and no gradient reaches it. Fix: pass it as an "
                     "argument (in a shard_map, with in_spec P() if replicated)."
                 )
-        if node.op == "call_function":
-            target = str(node.target)
-            if target.startswith(("shmap.coll_", "shmap.body_end", "_c10d_functional.")):
-                raise NotImplementedError(_DISTRIBUTED)
 
 
 # ----------------------------------------------------------------------
@@ -108,7 +104,7 @@ def _inductor(gm, tensors):
 # Capture: differentiable calls (AOT autograd: forward and backward graphs)
 # ----------------------------------------------------------------------
 def capture_grad(flat_fn, name, backend):
-    from functorch.compile import nop
+    from functorch.compile import min_cut_rematerialization_partition, nop
     from torch._functorch.aot_autograd import aot_function
 
     if backend == "eager":
@@ -126,7 +122,8 @@ def capture_grad(flat_fn, name, backend):
         _check_graph(gm, name)
         return fw(gm, example_inputs)
 
-    compiled = aot_function(flat_fn, fw_compiler=fw_compiler, bw_compiler=bw, decompositions=table)
+    compiled = aot_function(flat_fn, fw_compiler=fw_compiler, bw_compiler=bw, decompositions=table,
+                            partition_fn=min_cut_rematerialization_partition)
 
     def run(ts):
         outs = compiled(*ts)

@@ -60,15 +60,22 @@ dtype, device, requires_grad, sizes, strides), without building the key.
   transform (`grad`, `vmap`, ...), under a dispatch mode or another trace
   (`make_fx`, `torch.compile`: Dynamo inlines `f` into its own graph, so
   `torch.compile(jit(f))` is `torch.compile(f)`), under autocast, or with
-  tensor arguments that are not plain tensors (subclasses, body values).
+  tensor arguments that are not plain tensors (subclasses, body values;
+  DTensors are replayed: see the distributed mesh below).
 - A call whose capture fails for any other reason (for example AOT autograd
   cannot differentiate an output whose graph `f` already consumed with
   `torch.autograd.grad`) runs `f` eagerly, for that key from then on, with
   a warning naming the cause; if `f` fails eagerly too, that error is raised.
-- The distributed mesh (one process per device) is not supported: a DTensor
-  argument, or a trace that reaches a distributed body, raises
-  `NotImplementedError` naming the alternative, `torch.compile`, whose graphs
-  carry the guard's run-time checks (`compile.py`).
+- On the distributed mesh (one process per device) a body's collectives are
+  traced as `torch.compile` traces them (`backends/traced.py`: torch's
+  functional collectives between the guard's ops), so every replay counts,
+  checks and watches its collectives as an eager call does (a rank that
+  fails, exits or never arrives is named; programs that differ by rank are
+  reported) and reports the same `comm_log` events.  Arguments may be plain
+  tensors (global values every rank holds) or DTensors: a DTensor's local
+  tensor is the program's input, its layout part of the key, and outputs
+  come back as DTensors (`jit_dtensor.py`).  Each rank captures on its own
+  first call with a key; the capture itself communicates nothing.
 - Random ops draw from torch's global generator on every call; Inductor's
   stream differs from eager's (`backend="eager"` keeps it).
 - An input mutated in place by `f` (outside a body: bodies refuse it) is
@@ -91,7 +98,8 @@ import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
 
 from . import comm, context
-from .capture import _DISTRIBUTED, JitError, capture_grad, capture_inference
+from . import jit_dtensor
+from .capture import JitError, capture_grad, capture_inference
 from .cow import storage_key
 
 __all__ = ["jit", "Jitted", "JitError"]
@@ -183,11 +191,15 @@ class Jitted:
         key = (_grad_enabled(), _default_dtype(), spec,
                *[_leaf_key(x, seen.setdefault(id(x), k), storages, k) for k, x in enumerate(leaves)])
         entry = self._cache.get(key)
+        tensors = [x for x in leaves if isinstance(x, _Tensor)]
+        dpos = [k for k, x in enumerate(tensors) if type(x) is not _Tensor and jit_dtensor.is_plain_dtensor(x)]
+        if dpos:  # their local tensors are the program's inputs
+            tensors = jit_dtensor.locals_of(tensors, dpos)
         if entry is None:
             with self._lock:
                 entry = self._cache.get(key)
                 if entry is None:
-                    entry, first = self._capture(leaves, spec)
+                    entry, first = self._capture(leaves, spec, tensors, dpos)
                     if len(self._cache) >= self.max_entries:  # forget the oldest
                         old = self._cache.pop(next(iter(self._cache)))
                         self._fast = [e for e in self._fast if e[-1] is not old]
@@ -195,7 +207,7 @@ class Jitted:
                     self._add_fast(args, kwargs, leaves, key, entry)
                     if first is not None:
                         return first
-        return entry([x for x in leaves if isinstance(x, _Tensor)])
+        return entry(tensors)
 
     def _add_fast(self, args, kwargs, leaves, key, entry):
         if kwargs or len(self._fast) >= 8 or entry.mutates:  # (views of one storage: the keyed path sees them)
@@ -211,9 +223,12 @@ class Jitted:
                              dynamic_dims_strides=[list(x.stride()) for x in shallow])
         self._fast.append((struct, key[0], key[1], guard, entry))
 
-    def _capture(self, leaves, spec):
+    def _capture(self, leaves, spec, tensors, dpos):
+        """(entry, the first call's result or None) for this key; `tensors`: the program's inputs (a DTensor
+        argument's local tensor at each of `dpos`: see jit_dtensor.py)."""
         name = getattr(self.eager, "__name__", "f")
         tensor_pos = [k for k, x in enumerate(leaves) if isinstance(x, _Tensor)]
+        dspecs = {k: leaves[tensor_pos[k]]._spec for k in dpos}  # the DTensor arguments' layouts
         statics = list(leaves)
         for k in tensor_pos:  # (flat_fn fills them from its arguments; AOT autograd keeps flat_fn, which
             statics[k] = None  # must not keep the first call's tensors, a batch say, alive with it)
@@ -223,16 +238,14 @@ class Jitted:
         def flat_fn(*tensors):
             versions = [t._version for t in tensors]
             vals = list(statics)
-            for k, t in zip(tensor_pos, tensors):
-                vals[k] = t
+            for k, t in enumerate(tensors):
+                vals[tensor_pos[k]] = t if k not in dspecs else jit_dtensor.rebuild(t, dspecs[k])
             if spec is None:
                 out = f(*vals)
             else:
                 a, kw = pytree.tree_unflatten(vals, spec)
                 out = f(*a, **kw)
             outs, out_spec = pytree.tree_flatten(out)
-            if any(type(o).__name__ == "DTensor" for o in outs):  # a distributed shard_map's outputs
-                raise NotImplementedError(_DISTRIBUTED)
             out_info["spec"] = out_spec
             out_info["single"] = isinstance(out, _Tensor)
             out_info["consts"] = {}
@@ -244,9 +257,9 @@ class Jitted:
                     out_info["consts"][k] = o
             out_info["n"] = len(outs)
             out_info["mutates"] = out_info.get("mutates") or versions != [t._version for t in tensors]
-            return tens
+            out_info["dspecs"] = {}
+            return jit_dtensor.trace_outputs(tens, out_info)  # (a DTensor's local tensor, its spec kept)
 
-        tensors = [leaves[k] for k in tensor_pos]
         grad = _grad_enabled() and any(t.requires_grad for t in tensors)
         first = None
         try:
@@ -293,18 +306,20 @@ def _shallow(args):
 
 
 def _inline(args, kwargs) -> bool:
-    """Whether this call must run `f` itself (see the module docstring); raises for the distributed mesh."""
+    """Whether this call must run `f` itself (see the module docstring)."""
     leaves = pytree.tree_leaves((args, kwargs))
     for x in leaves:
         if isinstance(x, _Tensor) and type(x) is not _Tensor and type(x) is not _Parameter:
-            if type(x).__name__ == "DTensor":
-                raise NotImplementedError(_DISTRIBUTED)
+            if jit_dtensor.is_plain_dtensor(x) and type(x._local_tensor) is _Tensor:
+                continue  # the distributed mesh's global values: their local tensors are the inputs
             return True  # body values, fake/functional tensors, other subclasses
     return bool(_dispatch_depth() or _transforms() is not None or _autocast() or context.stack()
                 or torch.compiler.is_compiling())
 
 
 def _leaf_key(x, first, storages, k):
+    if type(x) is not _Tensor and jit_dtensor.is_plain_dtensor(x):
+        return jit_dtensor.leaf_key(x, first, storages, k)
     if isinstance(x, _Tensor):  # `first`: the first position of this object (the same tensor twice), and of its
         # storage (views of one tensor: a program that writes one of them reads the other as written)
         ptr = storage_key(x)
@@ -367,6 +382,12 @@ def _finish(run, out_info):
                 for e in events:
                     _record(e)
             return outs
+    dspecs = out_info.get("dspecs")
+    if dspecs:  # the distributed mesh: DTensor outputs, from their local tensors
+        local = run
+
+        def run(ts):
+            return jit_dtensor.wrap_outputs(local(ts), dspecs)
     if out_info["single"] and not consts:
         return lambda ts: run(ts)[0]
     if not consts and spec.num_leaves == n:

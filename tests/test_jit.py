@@ -417,27 +417,6 @@ def test_bad_arguments():
     assert shmap.jit(backend="eager")(lambda x: x + 1)(torch.ones(2)).tolist() == [2.0, 2.0]
 
 
-def _distributed_case():
-    mesh = shmap.make_mesh((2,), ("i",))
-    f = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
-    errors = []
-    for backend in ("eager", "inductor"):
-        for rg in (False, True):
-            try:
-                shmap.jit(f, backend=backend)(torch.arange(4.0, requires_grad=rg))
-                errors.append(f"{backend}, requires_grad={rg}: no error")
-            except NotImplementedError as e:
-                if "simulated mesh only" not in str(e) or "torch.compile" not in str(e):
-                    errors.append(str(e))
-    return errors
-
-
-@pytest.mark.xdist_group("multiprocess")
-def test_distributed_mesh_is_not_implemented_and_names_torch_compile():
-    results = shmap.spawn(_distributed_case, nprocs=2, timeout=120)
-    assert results == [[], []]
-
-
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_max_entries_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="max_entries must be a positive int"):

@@ -1,0 +1,180 @@
+"""`shmap.jit` on the distributed mesh: what each spawned rank runs (see test_dist_jit.py).
+
+Every case compares a jitted call with the same program run eagerly on the
+same ranks: values and gradients (bit for bit with `backend="eager"`, which
+replays eager's kernels; to 1e-12 with Inductor), and the `comm_log` events
+of every call, first (the capture) and later (replays).  Arguments are plain
+tensors (global values every rank holds) or DTensors laid out as the
+in_specs; outputs are DTensors, as eagerly.  Each case returns a list of
+failures (empty: all good).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import shmap
+from shmap import P
+
+from dist_compile import _collectives, _run, _same, _value
+
+
+def _run_whole(f, args):
+    """`dist_compile._run` with every gradient whole (a DTensor argument's is a DTensor)."""
+    outs, grads, events = _run(f, args)
+    return outs, [_value(g) for g in grads], events
+
+
+def _put(args, mesh, specs):
+    return [shmap.device_put(a, mesh, s) for a, s in zip(args, specs)]
+
+
+def collectives():
+    """Every collective, forward and backward, through a jitted call; both backends, plain and DTensor
+    arguments, with and without gradients."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    specs = (P("i"), P("i"), P("i"), P("i"))
+    f = shmap.shard_map(_collectives, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P()))
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64),
+             torch.randn(6, generator=g).to(torch.bfloat16), torch.full((4,), 2 ** 30, dtype=torch.int32)]
+    bad = []
+    for name, args in (("plain", plain), ("DTensor", _put(plain, mesh, specs))):
+        want = _run_whole(f, args)
+        with torch.no_grad(), shmap.comm_log() as log:
+            want_ng = [_value(o) for o in f(*args)]
+        want_ng_events = log.events
+        for backend in ("eager", "inductor"):
+            j = shmap.jit(f, backend=backend)
+            for call in range(2):  # the capture, then a replay: the same values and events
+                bad += _same(f"jit {backend}, {name} arguments, call {call}", _run_whole(j, args), want,
+                             exact=backend == "eager")
+                with torch.no_grad(), shmap.comm_log() as log:
+                    got = j(*args)
+                if log.events != want_ng_events:
+                    bad.append(f"jit {backend}, {name}, no grad, call {call}: comm_log {log.events} vs "
+                               f"{want_ng_events}")
+                if not all(type(o).__name__ == "DTensor" for o in got):
+                    bad.append(f"jit {backend}, {name}: outputs {[type(o).__name__ for o in got]}, not DTensors")
+                if not all(torch.allclose(_value(a), b, rtol=1e-12, atol=1e-12) for a, b in zip(got, want_ng)):
+                    bad.append(f"jit {backend}, {name}, no grad, call {call}: {got} vs {want_ng}")
+            if j.traces != 2:  # one capture with gradients, one without
+                bad.append(f"jit {backend}, {name}: {j.traces} captures, expected 2")
+    return bad
+
+
+def dtensor_gradients():
+    """The gradient of a DTensor argument is a DTensor on the argument's layout, as eagerly (sharded,
+    replicated); a jitted call's outputs feed eager code and the reverse."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(w, b, x):
+        h = torch.tanh(x @ shmap.all_gather(w, "i", axis=0, tiled=True) + b)
+        return shmap.psum((h * h).sum(), "i"), h
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(P("i"), P(), P("i")), out_specs=(P(), P("i")))
+    g = torch.Generator().manual_seed(4)
+    args = _put([torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64),
+                 torch.randn(4, 6, generator=g, dtype=torch.float64)], mesh, (P("i"), P(), P("i")))
+    bad = []
+    results = []
+    for fn in (f, shmap.jit(f, backend="eager")):
+        leaves = [a.detach().requires_grad_() for a in args[:2]] + [args[2]]
+        with shmap.comm_log() as log:
+            out, h = fn(*leaves)
+            # an eager shard_map after the jitted one, on its output
+            tail = shmap.shard_map(lambda v: shmap.psum(v.sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(h)
+            grads = torch.autograd.grad(out + tail, leaves[:2])
+        results.append((grads, log.events))
+        for gr, a in zip(grads, leaves):
+            if type(gr).__name__ != "DTensor" or gr.placements != a.placements or gr.shape != a.shape:
+                bad.append(f"dtensor gradients: {type(gr).__name__} {getattr(gr, 'placements', None)} for "
+                           f"{a.placements}")
+    (g0, e0), (g1, e1) = results
+    bad += [f"dtensor gradients differ: {_value(a)} vs {_value(b)}" for a, b in zip(g0, g1)
+            if not torch.equal(_value(a), _value(b))]
+    if e0 != e1:
+        bad.append(f"dtensor gradients: comm_log differs:\n  jit   {e1}\n  eager {e0}")
+    return bad
+
+
+def training_step():
+    """The recipe's step shape: DTensor parameters in dicts (FSDP-sharded and replicated), a loss whose
+    gradients are taken outside the call, an update under no_grad whose scalars are tensors (a new
+    learning rate each step: no new capture); three steps equal eager's bit for bit, comm_log too."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    specs = {"w": P("i"), "b": P()}
+
+    def loss_body(p, x):
+        h = torch.tanh(x @ shmap.all_gather(p["w"], "i", axis=0, tiled=True) + p["b"])
+        return shmap.pmean((h * h).mean(), "i")
+
+    def update_body(p, g, lr):
+        return {k: p[k] - lr * g[k] for k in p}
+
+    loss = shmap.shard_map(loss_body, mesh=mesh, in_specs=(specs, P("i")), out_specs=P())
+    update = shmap.shard_map(update_body, mesh=mesh, in_specs=(specs, specs, P()), out_specs=specs)
+    g = torch.Generator().manual_seed(6)
+    p0 = {"w": shmap.device_put(torch.randn(6, 5, generator=g, dtype=torch.float64), mesh, P("i")),
+          "b": shmap.device_put(torch.randn(5, generator=g, dtype=torch.float64), mesh, P())}
+    xs = [shmap.device_put(torch.randn(4, 6, generator=g, dtype=torch.float64), mesh, P("i")) for _ in range(3)]
+
+    def train(loss_fn, update_fn):
+        p = {k: v.detach() for k, v in p0.items()}
+        out = []
+        with shmap.comm_log() as log:
+            for k, x in enumerate(xs):
+                leaves = [p["w"].requires_grad_(), p["b"].requires_grad_()]
+                value = loss_fn(p, x)
+                gw, gb = torch.autograd.grad(value, leaves)
+                with torch.no_grad():
+                    p = update_fn(p, {"w": gw, "b": gb}, torch.tensor(0.1 / (k + 1), dtype=torch.float64))
+                out.append(_value(value).detach())
+        return out + [_value(v) for v in p.values()], log.events
+
+    want, want_events = train(loss, update)
+    jl, ju = shmap.jit(loss, backend="eager"), shmap.jit(update, backend="eager")
+    got, events = train(jl, ju)
+    bad = [f"training step: {a} vs {b}" for a, b in zip(got, want) if not torch.equal(a, b)]
+    if events != want_events:
+        bad.append(f"training step: comm_log differs:\n  jit   {events}\n  eager {want_events}")
+    if (jl.traces, ju.traces) != (1, 1):
+        bad.append(f"training step: {jl.traces} loss and {ju.traces} update captures, expected one each")
+    return bad
+
+
+def run_cases():
+    import traceback
+
+    bad = []
+    for case in (collectives, dtensor_gradients, training_step):
+        try:
+            bad += case()
+        except Exception:  # noqa: BLE001 - reported with the case's name
+            bad.append(f"{case.__name__}: {traceback.format_exc()}")
+    return bad
+
+
+def hang(slow_rank, timeout):
+    """`slow_rank` never reaches the jitted psum's replay; the others time out naming it."""
+    shmap.configure_distributed(timeout=timeout)
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.jit(shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()))
+    f(torch.ones(4))  # captured on every rank
+    if torch.distributed.get_rank() == slow_rank:
+        time.sleep(120)
+    f(torch.ones(4))
+    return "finished"
+
+
+def mismatch():
+    """A jitted program that differs on rank 1 (pmax where rank 0 has psum): reported on every rank."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    body = (lambda v: shmap.pmax(v, "i")) if torch.distributed.get_rank() == 1 else (lambda v: shmap.psum(v, "i"))
+    f = shmap.jit(shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()))
+    try:
+        f(torch.ones(4))
+    except shmap.CollectiveMismatchError as e:
+        return str(e)
+    return "not raised"

@@ -1,0 +1,48 @@
+"""shmap.jit on 2 gloo processes (dist_jit.py): a captured call equals the eager one.
+
+Values and gradients (bit for bit with the eager backend), DTensor arguments
+and their gradients' layouts, the `comm_log` events of the capture and of
+every replay, and a training step in the recipe's shape (dicts of DTensor
+parameters, gradients taken outside the call, an update with tensor scalars).  The guard runs
+inside every replay: a rank that never arrives at a replayed collective is
+named by the others, and programs that differ by rank are reported.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dist_jit  # noqa: E402
+import shmap  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+
+def test_jitted_collectives_dtensor_gradients_and_a_training_step_equal_eager():
+    results = shmap.spawn(dist_jit.run_cases, nprocs=2, timeout=300)
+    assert results[0] == [], "\n\n".join(results[0])
+    assert results[1] == [], "\n\n".join(results[1])
+
+
+def test_a_rank_that_never_arrives_at_a_replayed_collective_is_named():
+    t0 = time.monotonic()
+    with pytest.raises(shmap.SpawnError) as info:
+        shmap.spawn(dist_jit.hang, 1, 2.0, nprocs=2, timeout=60, grace=2.0)
+    assert time.monotonic() - t0 < 60
+    err = info.value
+    assert err.errors[1][0] == "Killed", err
+    name, msg, _ = err.errors[0]
+    assert name == "CollectiveTimeoutError", (name, msg)
+    assert "rank 1: not waiting in any collective" in msg and "psum over 'i'" in msg, msg
+
+
+def test_jitted_programs_that_differ_by_rank_are_reported_on_every_rank():
+    msgs = shmap.spawn(dist_jit.mismatch, nprocs=2, timeout=120)
+    for msg in msgs:
+        assert "psum over 'i'" in msg and "pmax over 'i'" in msg, msg
