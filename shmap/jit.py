@@ -97,8 +97,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
 
-from . import comm, context
-from . import jit_dtensor
+from . import comm, context, jit_dtensor
 from .capture import JitError, capture_grad, capture_inference
 from .cow import storage_key
 

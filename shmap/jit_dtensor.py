@@ -51,17 +51,19 @@ def leaf_key(x, first, storages, k):
 
 
 def locals_of(tensors, positions):
-    """`tensors` with each DTensor (at `positions`) replaced by its local tensor; differentiable (one
-    autograd Function for all of them) when grad mode is on and one of them requires grad."""
-    dts = [tensors[k] for k in positions]
-    if torch.is_grad_enabled() and any(d.requires_grad for d in dts):
-        locs = Locals.apply(False, *dts)
-    else:
-        locs = [d._local_tensor for d in dts]
+    """`tensors` with each DTensor (at `positions`) replaced by its local tensor (`_locals`)."""
     out = list(tensors)
-    for k, t in zip(positions, locs):
+    for k, t in zip(positions, _locals([tensors[k] for k in positions], False)):
         out[k] = t
     return out
+
+
+def _locals(dts, of_outputs):
+    """The local tensors of DTensors `dts`: differentiable (one autograd Function for all of them) when
+    grad mode is on and one of them requires grad."""
+    if torch.is_grad_enabled() and any(d.requires_grad for d in dts):
+        return Locals.apply(of_outputs, *dts)
+    return [d._local_tensor for d in dts]
 
 
 class Locals(_Function):
@@ -109,12 +111,8 @@ def trace_outputs(outs, out_info):
     if not pos:
         return outs
     dts = [outs[k] for k in pos]
-    if torch.is_grad_enabled() and any(d.requires_grad for d in dts):
-        locs = Locals.apply(True, *dts)
-    else:
-        locs = [d._local_tensor for d in dts]
     outs = list(outs)
-    for k, d, t in zip(pos, dts, locs):
+    for k, d, t in zip(pos, dts, _locals(dts, True)):
         outs[k] = t
         out_info["dspecs"][k] = d._spec
     return outs

@@ -432,6 +432,23 @@ def alongside_mismatch():
 # --------------------------------------------------------------------------
 # A hang is not silent: the watched wait inside the compiled graph
 # --------------------------------------------------------------------------
+def expect_stalled_rank_named(hang_fn):
+    """Run `hang_fn(1, 2.0)` on two spawned ranks (rank 1 never reaches a collective; a 2 s timeout):
+    within 60 s rank 0 raises CollectiveTimeoutError naming rank 1 and the psum, and rank 1 is killed.
+    (The test files' check, for the compiled and the jitted cases.)"""
+    import pytest
+
+    t0 = time.monotonic()
+    with pytest.raises(shmap.SpawnError) as info:
+        shmap.spawn(hang_fn, 1, 2.0, nprocs=2, timeout=60, grace=2.0)
+    assert time.monotonic() - t0 < 60
+    err = info.value
+    assert err.errors[1][0] == "Killed", err
+    name, msg, _ = err.errors[0]
+    assert name == "CollectiveTimeoutError", (name, msg)
+    assert "rank 1: not waiting in any collective" in msg and "psum over 'i'" in msg, msg
+
+
 def hang(slow_rank, timeout):
     """`slow_rank` never reaches the compiled psum; the others time out naming it."""
     shmap.configure_distributed(timeout=timeout)
