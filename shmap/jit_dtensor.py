@@ -32,7 +32,7 @@ import torch
 
 from .backends.functions import _Function
 from .cow import storage_key
-from .dtensor import _cotangent_spec, _dtensor_class, new_dtensor
+from .dtensor import _cotangent_spec, _dtensor_class, _FromBlock, new_dtensor
 
 
 def is_plain_dtensor(x) -> bool:
@@ -98,8 +98,6 @@ class Locals(_Function):
 # --------------------------------------------------------------------------
 def rebuild(t, spec):
     """The DTensor argument `f` sees, on the traced local tensor `t` (differentiably)."""
-    from .dtensor import _FromBlock
-
     if torch.is_grad_enabled() and t.requires_grad:
         return _FromBlock.apply(t, spec)
     return new_dtensor(t.view_as(t), spec)
@@ -120,8 +118,6 @@ def trace_outputs(outs, out_info):
 
 def wrap_outputs(outs, dspecs):
     """Replay: the program's local outputs -> the DTensors the trace returned (positions in `dspecs`)."""
-    from .dtensor import _FromBlock
-
     outs = list(outs)
     for k, spec in dspecs.items():
         t = outs[k]
