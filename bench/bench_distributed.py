@@ -429,7 +429,8 @@ def main():
               f"{tm['shmap shares'] * 1e3:.2f} ms = x{q['shmap shares']:.2f} DDP; checks off "
               f"{tm['shares (checks off)'] * 1e3:.2f} ms = x{q['shares (checks off)']:.2f} (what the guard costs: "
               f"the difference)")
-        print(f"    the same step jitted (shmap.jit: Inductor's code replayed, default checks inside): {tm['shares jit'] * 1e3:.2f} ms = x{q['shares jit']:.2f} DDP")
+        print(f"    the same step jitted (shmap.jit: Inductor's code replayed, default checks inside): "
+              f"{tm['shares jit'] * 1e3:.2f} ms = x{q['shares jit']:.2f} DDP")
         c = r["cpu"]
         print(f"    main-thread CPU per step (rank 0; steadier than wall time on a busy machine): shares "
               f"{c['shmap shares'] * 1e3:.2f} ms = x{c['shmap shares'] / c['ddp']:.2f} DDP's {c['ddp'] * 1e3:.2f} ms; "

@@ -12,7 +12,7 @@ which run at every replay.)
 The differentiable capture partitions forward and backward with AOT
 autograd's min-cut partitioner, as `torch.compile` does: its default
 partitioner recomputed `scaled_dot_product_attention`'s forward in the
-backward graph (a Transformer's attention ran three times a step).
+backward graph (a Transformer's attention forward ran twice a step).
 """
 from __future__ import annotations
 

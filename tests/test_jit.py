@@ -439,3 +439,25 @@ def test_a_double_backward_through_a_captured_call_is_refused_naming_the_fix():
         torch.autograd.grad(f(w, x), w, create_graph=True)
     g2, = torch.autograd.grad(f.eager(w, x), w, create_graph=True)  # (the fix)
     assert g2.requires_grad
+
+
+def test_a_differentiable_capture_does_not_recompute_attention_in_its_backward():
+    """AOT autograd's default partitioner put a second `scaled_dot_product_attention` forward in the
+    backward graph (a Transformer step ran attention's forward twice); the min-cut partitioner, as
+    torch.compile's, saves what the backward needs.  Counted over a replay's forward and backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g, requires_grad=True) for _ in range(3))
+    j = ejit(attend)
+    torch.autograd.grad(j(q, k, v), (q, k, v))  # the capture
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        grads = torch.autograd.grad(j(q, k, v), (q, k, v))
+    calls = {e.key: e.count for e in prof.key_averages() if "scaled_dot_product" in e.key and "backward" not in e.key
+             and e.key.startswith("aten::_")}
+    assert sum(calls.values()) == 1, calls
+    want = torch.autograd.grad(attend(q, k, v), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(grads, want))
