@@ -66,7 +66,7 @@ def collectives():
 
 def dtensor_gradients():
     """The gradient of a DTensor argument is a DTensor on the argument's layout, as eagerly (sharded,
-    replicated); a jitted call's outputs feed eager code and the reverse."""
+    replicated); a jitted call's output feeds an eager shard_map, whose gradient flows back through it."""
     mesh = shmap.make_mesh((2,), ("i",))
 
     def body(w, b, x):
