@@ -244,7 +244,6 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
     placed differently) keeps DTensor's own path.
     """
     logical_shape = tuple(block.shape) if logical_shape is None else tuple(logical_shape)
-    grad = torch.is_grad_enabled() and block.requires_grad
     if not all(type(s) is int for s in logical_shape):
         # Symbolic sizes (torch.compile's dynamic shapes): DTensor's path.
         from torch.distributed.tensor import DTensor
@@ -259,9 +258,15 @@ def from_block(block, mesh: Mesh, spec: PartitionSpec, logical_shape=None):
                                                        block.dtype))
         if len(_BLOCK_SPECS) >= 4096:
             _BLOCK_SPECS.clear()
-    if not grad:
-        return new_dtensor(_alias(block), got[1])
-    return _FromBlock.apply(block, got[1])
+    return on_spec(block, got[1])
+
+
+def on_spec(block, dspec):
+    """A DTensor on `dspec` whose local tensor is `block`: differentiable (`_FromBlock`) when grad mode is on
+    and `block` requires grad, else no Function at all (`from_block`; shmap.jit's DTensor boundary)."""
+    if torch.is_grad_enabled() and block.requires_grad:
+        return _FromBlock.apply(block, dspec)
+    return new_dtensor(_alias(block), dspec)
 
 
 def _cotangent_spec(dspec):

@@ -238,7 +238,8 @@ class Jitted:
             versions = [t._version for t in tensors]
             vals = list(statics)
             for k, t in enumerate(tensors):
-                vals[tensor_pos[k]] = t if k not in dspecs else jit_dtensor.rebuild(t, dspecs[k])
+                # (a DTensor argument, rebuilt on the traced local tensor: what `f` sees eagerly)
+                vals[tensor_pos[k]] = t if k not in dspecs else jit_dtensor.on_spec(t, dspecs[k])
             if spec is None:
                 out = f(*vals)
             else:

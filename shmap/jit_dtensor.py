@@ -18,7 +18,7 @@ DTensors, so a jitted call crosses that boundary once on each side:
 - **Replay.**  One autograd Function (`Locals`) takes every DTensor
   argument's local tensor (its backward puts each gradient on its argument's
   spec, as `DTensor.to_local`'s does); each output's local tensor becomes a
-  DTensor on its traced spec (`dtensor._FromBlock`, as a shard_map's outputs
+  DTensor on its traced spec (`dtensor.on_spec`, as a shard_map's outputs
   do: differentiable, no spec or stride computed per call).
 
 What stays eager's only: the shard_map boundary's per-argument checks run at
@@ -32,7 +32,7 @@ import torch
 
 from .backends.functions import _Function
 from .cow import storage_key
-from .dtensor import _cotangent_spec, _dtensor_class, _FromBlock, new_dtensor
+from .dtensor import _cotangent_spec, _dtensor_class, new_dtensor, on_spec
 
 
 def is_plain_dtensor(x) -> bool:
@@ -96,13 +96,6 @@ class Locals(_Function):
 # --------------------------------------------------------------------------
 # Inside the trace
 # --------------------------------------------------------------------------
-def rebuild(t, spec):
-    """The DTensor argument `f` sees, on the traced local tensor `t` (differentiably)."""
-    if torch.is_grad_enabled() and t.requires_grad:
-        return _FromBlock.apply(t, spec)
-    return new_dtensor(t.view_as(t), spec)
-
-
 def trace_outputs(outs, out_info):
     """Each DTensor output of the trace -> its local tensor; its spec is kept in `out_info["dspecs"]`."""
     pos = [k for k, o in enumerate(outs) if is_plain_dtensor(o)]
@@ -120,9 +113,5 @@ def wrap_outputs(outs, dspecs):
     """Replay: the program's local outputs -> the DTensors the trace returned (positions in `dspecs`)."""
     outs = list(outs)
     for k, spec in dspecs.items():
-        t = outs[k]
-        if torch.is_grad_enabled() and t.requires_grad:
-            outs[k] = _FromBlock.apply(t, spec)
-        else:
-            outs[k] = new_dtensor(t, spec)
+        outs[k] = on_spec(outs[k], spec)
     return outs
