@@ -402,7 +402,7 @@ def main():
     print("Backward-pass torch.distributed collectives and bytes; gradient error vs the single-process "
           "gradient (relative; |grad|/|true| in brackets).")
     for world in worlds:
-        r = shmap.spawn(dp_worker, 512, 512, 64, 10 if args.quick else 60, nprocs=world, timeout=300)[0]
+        r = shmap.spawn(dp_worker, 512, 512, 64, 10 if args.quick else 200, nprocs=world, timeout=300)[0]
         print(f"\n  world {world}:")
         for key, what in (("shmap", "shmap (psum of the loss; pvary'd weights)"),
                           ("shmap shares", "shmap, per-rank loss shares (DDP's communication)"),

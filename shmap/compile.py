@@ -63,11 +63,14 @@ What a compiled call checks, at run time, on every call:
   payloads).  A mismatch raises `CollectiveMismatchError` on every rank, as
   eagerly; the end of each body is counted (strict: exchanged) by
   `shmap::body_end`.
-- *Watched waits*: `shmap::coll_wait` waits for the functional collective on
-  the guard's helper thread while it polls the store, so a failed or exited
-  rank raises `RankFailedError` and a rank that never arrives raises
-  `CollectiveTimeoutError` (`configure_distributed(timeout=...)`), naming
-  the ranks, as eagerly.  The graph's own `wait_tensor` then returns at once.
+- *Watched waits*: every collective's wait watches the store and the clock,
+  so a failed or exited rank raises `RankFailedError` and a rank that never
+  arrives raises `CollectiveTimeoutError` (`configure_distributed(timeout=...)`),
+  naming the ranks, as eagerly.  On gloo, all_reduce and all_gather are
+  shmap's own ops that wait in slices on the calling thread, as eagerly; the
+  other collectives are torch's functional collectives, whose wait
+  `shmap::coll_wait` hands to the guard's helper thread while it polls (the
+  graph's own `wait_tensor` then returns at once).
 - `comm_log` records the same events per call as eagerly, in order
   (`shmap::coll_record`).
 

@@ -1,12 +1,11 @@
-"""The distributed mesh's collectives under tracing (`torch.compile`, `make_fx`): functional collectives.
+"""The distributed mesh's collectives under tracing (`torch.compile`, `make_fx`): ops in the graph.
 
 Eagerly a collective is a c10d call under the guard (`transports._run`).  A
 graph cannot contain that: AOT autograd traces the body on fake tensors, and
 whatever a Python call does happens once, at trace time.  So while tracing
 (`tracing()`: a fake, proxy or functional dispatch mode is active) each raw
-collective of `transports` hands over to its twin here, which emits torch's
-functional collectives (`torch.ops._c10d_functional.*`, with fake kernels and
-Inductor lowerings) between small ordered effectful shmap ops, each of which
+collective of `transports` hands over to its twin here, which emits the
+collective as an op between small ordered effectful shmap ops, each of which
 also takes the previous one's output (`after`: a data dependency keeps them
 in order where Inductor's reorderings do not honour the effect order).  The
 compiled graph then performs, on every call, what the eager path does:
@@ -18,17 +17,33 @@ compiled graph then performs, on every call, what the eager path does:
                                           return the signature trailer, or, for
                                           a payload with no room for one, launch
                                           its exchange to run alongside the data
-    _c10d_functional.<collective>         the data, with the trailer folded in as
-                                          eagerly (same layout, same wire dtype)
+    the collective                        the data, with the trailer folded in as
+                                          eagerly (same layout, same wire dtype),
+                                          waited for (watched: failed or exited
+                                          ranks, the timeout) and checked (the
+                                          trailers received, or the exchange
+                                          alongside, against the one sent)
+
+The collective is one of two forms.  On gloo, all_reduce and all_gather are
+shmap's own effectful ops (`shmap.gloo_all_reduce`, `shmap.gloo_all_gather`):
+each builds the payload, launches it and waits for it in slices on the
+calling thread, exactly as an eager collective does, and returns it complete.
+The others (reduce_scatter and all_to_all on gloo, whose waits ignore a
+timeout, and everything on NCCL) are torch's functional collectives
+(`torch.ops._c10d_functional.*`, with fake kernels and Inductor lowerings),
+followed by
+
     shmap.coll_wait(out, sent, spec)      the watched wait (a helper thread waits
-                                          on the work; this one polls the store
-                                          for failed or exited ranks and the
-                                          timeout), the trailers received (or the
-                                          exchange alongside) checked against
-                                          the one sent, then `done`
+                                          on the work, since `wait_tensor` takes
+                                          no timeout; this one polls the store
+                                          and the clock) and the same checks
     _c10d_functional.wait_tensor          (already complete: a no-op)
 
-and `shmap.coll_record` (as `ops.record` does) reports each event to `comm_log`
+The helper's two thread switches are why all_reduce and all_gather avoid it:
+on 2 gloo processes they cost a jitted data-parallel step about a tenth of
+DDP's step time (MLP 512-512-1, `bench/bench_distributed.py`).
+
+`shmap.coll_record` (as `ops.record` does) reports each event to `comm_log`
 where the eager path does; `shmap.body_end` counts the end of each body (or,
 strict, exchanges its signature) at run time.  Results equal eager bit for bit: the
 same wire dtypes (`transports._reduce_dtype`), the same buffers, the same
@@ -42,6 +57,7 @@ Where this differs from eager: `shmap/compile.py`'s docstring.
 from __future__ import annotations
 
 import ast
+import math
 import struct
 
 import torch
@@ -81,6 +97,8 @@ _LIB.define("coll_begin(Tensor like, Tensor after, str spec) -> Tensor")
 _LIB.define("coll_wait(Tensor out, Tensor sent, str spec) -> Tensor")
 _LIB.define("body_end(Tensor after, str spec) -> Tensor")
 _LIB.define("coll_record(Tensor after, str event) -> Tensor")
+_LIB.define("gloo_all_reduce(Tensor[] parts, str op, str group, str spec) -> Tensor")
+_LIB.define("gloo_all_gather(Tensor[] parts, int n, str group, str spec) -> Tensor")
 
 # Ordered effects alone do not keep these ops in order under Inductor (torch 2.13: its locality and
 # peak-memory reorderings moved a collective's `coll_begin` before the previous one's `coll_wait`), so
@@ -193,13 +211,18 @@ class _TensorWork:
 
 
 def _wait_impl(out, sent, spec):
-    """The watched wait for `out`; then the trailers received must equal the one sent."""
+    """The watched wait for the functional collective's `out` (on a helper thread: `wait_tensor` takes no
+    timeout, so a helper waits while this thread watches the store and the clock); then `_checked`."""
     s = _get(spec)
+    _watch().wait(_TensorWork(out), None, s.ranks, gloo=s.gloo, blocking=True)
+    _checked(out, sent, s, spec)
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _checked(out, sent, s, spec):
+    """After the wait: the exchange alongside (if any) and the trailers received must match; `done`."""
     w = _watch()
-    pending = _ALONGSIDE.pop(spec, None)
-    # A helper thread waits (wait_tensor takes no timeout); this one watches the store and the clock.
-    w.wait(_TensorWork(out), None, s.ranks, gloo=s.gloo, blocking=True)
-    w.verify(pending, moved=True)
+    w.verify(_ALONGSIDE.pop(spec, None), moved=True)
     if s.seal is not None and out.numel():
         if s.seal == "reduce":  # each pair keeps exactly its nonzero side iff every rank wrote the same bits
             ok = [bool(v) for v in out.reshape(-1)[-s.tlen:].tolist()] == [bool(v) for v in sent.tolist()]
@@ -209,7 +232,6 @@ def _wait_impl(out, sent, spec):
             w.poisoned = True
             w._mismatch_found(s.ranks, "its payload's signature")
     w.done()
-    return torch.empty(0, dtype=torch.uint8)
 
 
 def _body_end_impl(after, spec):
@@ -231,6 +253,48 @@ def _record_impl(after, event):
     return torch.empty(0, dtype=torch.uint8)
 
 
+# --------------------------------------------------------------------------
+# On gloo: all_reduce and all_gather as shmap's own ops, waited for on the calling thread (module docstring)
+# --------------------------------------------------------------------------
+def _pg(group):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group)
+
+
+def _all_reduce_impl(parts, op, group, spec):
+    """The concatenation of `parts` (the last: the trailer sent) all-reduced, waited for and checked."""
+    from torch.distributed import ReduceOp
+
+    from .transports import _pg_all_reduce
+
+    s = _get(spec)
+    buf = torch.cat(parts)
+    _watch().wait(_pg_all_reduce(buf, getattr(ReduceOp, op.upper()), _pg(group)), None, s.ranks, gloo=True)
+    _checked(buf, parts[-1], s, spec)
+    return buf
+
+
+def _all_gather_impl(parts, n, group, spec):
+    """[n, total]: every rank's concatenation of `parts` (the last: the trailer sent), waited for and
+    checked."""
+    import torch.distributed as dist
+
+    s = _get(spec)
+    send = torch.cat(parts).view(1, -1)
+    out = send.new_empty((n, send.shape[1]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _watch().wait(gather(out, send, group=_pg(group), async_op=True), None, s.ranks, gloo=True)
+    _checked(out, parts[-1], s, spec)
+    return out
+
+
+_LIB.impl("gloo_all_reduce", _all_reduce_impl, "CompositeExplicitAutograd")
+_LIB.impl("gloo_all_gather", _all_gather_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("shmap::gloo_all_reduce", lambda parts, op, group, spec: parts[0].new_empty(
+    sum(p.numel() for p in parts)), lib=_LIB)
+torch.library.register_fake("shmap::gloo_all_gather", lambda parts, n, group, spec: parts[0].new_empty(
+    (n, sum(p.numel() for p in parts))), lib=_LIB)
 _LIB.impl("coll_begin", _begin_impl, "CompositeExplicitAutograd")
 _LIB.impl("coll_wait", _wait_impl, "CompositeExplicitAutograd")
 _LIB.impl("body_end", _body_end_impl, "CompositeExplicitAutograd")
@@ -241,7 +305,8 @@ torch.library.register_fake("shmap::coll_wait", lambda out, sent, spec: out.new_
                             lib=_LIB)
 for _op in ("body_end", "coll_record"):
     torch.library.register_fake(f"shmap::{_op}", lambda after, arg: after.new_empty(0, dtype=torch.uint8), lib=_LIB)
-for _op in ("shmap::coll_begin", "shmap::coll_wait", "shmap::body_end", "shmap::coll_record"):
+for _op in ("shmap::coll_begin", "shmap::coll_wait", "shmap::body_end", "shmap::coll_record", "shmap::gloo_all_reduce",
+            "shmap::gloo_all_gather"):
     torch.library._register_effectful_op(_op, _EffectType.ORDERED)
 
 
@@ -303,32 +368,41 @@ def body_end(shape, dtype, extra, like):
 
 
 def all_reduce(x, g: Group, kind):
+    """`x`: a tensor, or a list of 1-D tensors of one dtype (a bucket: their concatenation reduced; the
+    parts are copied once, into the payload, as eagerly)."""
     from .transports import _reduce_dtype, gathered_reduce, reduce_rows
 
-    if g.n == 1:
-        return x.clone(memory_format=torch.contiguous_format)
+    parts = x if isinstance(x, list) else [x.reshape(-1)]
+    head, shape = parts[0], (sum(p.numel() for p in parts),) if isinstance(x, list) else x.shape
+    if g.n == 1 or gathered_reduce(g, math.prod(shape) * head.element_size()):
+        x = torch.cat(parts) if isinstance(x, list) else x
+        if g.n == 1:
+            return x.clone(memory_format=torch.contiguous_format)
+        return reduce_rows(gather_rows(x, g, kind), kind)  # small: gathered and reduced here, as eagerly
     name = _name(g)
-    if gathered_reduce(g, x.numel() * x.element_size()):  # small: gathered and reduced here, as eagerly
-        return reduce_rows(gather_rows(x, g, kind), kind)
-    wire = _reduce_dtype(x, kind) or x.dtype
+    wire = _reduce_dtype(head, kind) or head.dtype
     seal = "reduce" if _sealing(g) and sealable(wire, g.n) and not wire.is_complex else None
-    spec = _spec(g, kind, x.shape, x.dtype, "", seal, wire)
-    m = x.numel()
-    t = _begin(x, spec)
-    buf = torch.cat([x.reshape(-1).to(wire), t])  # a fresh copy (+ the signature trailer)
+    spec = _spec(g, kind, shape, head.dtype, "", seal, wire)
+    m = math.prod(shape)
+    t = _begin(head, spec)
+    parts = [*(p.to(wire) for p in parts), t]  # the payload: the parts, then the signature trailer
     op = "sum" if kind == "psum" else "max" if kind == "pmax" else "min"
-    reduce = lambda b: _c10d().all_reduce(b, op, name)  # noqa: E731
-    if wire.is_complex:
-        out = torch.view_as_complex(_moved(reduce, torch.view_as_real(buf), t, spec))
-    else:
-        out = _moved(reduce, buf, t, spec)
-    out = out[:m].view(x.shape)
-    return out if wire == x.dtype else out.to(x.dtype)
+    if g.gloo:  # shmap's op: launched, waited for on this thread and checked (see `_all_reduce_impl`)
+        out = _chained(torch.ops.shmap.gloo_all_reduce(parts, op, name, spec))
+    else:  # a functional collective (on NCCL, Inductor schedules around it)
+        buf = torch.cat(parts)  # a fresh copy
+        reduce = lambda b: _c10d().all_reduce(b, op, name)  # noqa: E731
+        if wire.is_complex:
+            out = torch.view_as_complex(_moved(reduce, torch.view_as_real(buf), t, spec))
+        else:
+            out = _moved(reduce, buf, t, spec)
+    out = out[:m].view(shape)
+    return out if wire == head.dtype else out.to(head.dtype)
 
 
 def launch_all_reduce(x, g: Group, kind):
-    """`transports._launch_all_reduce` under tracing: complete at once (a list: a bucket, concatenated)."""
-    out = all_reduce(torch.cat(x) if isinstance(x, list) else x, g, kind)
+    """`transports._launch_all_reduce` under tracing: complete at once (a list: a bucket)."""
+    out = all_reduce(x, g, kind)
     return None, lambda: out
 
 
@@ -344,18 +418,23 @@ def gather_rows(x, g: Group, kind, extra="", bucket=False):
     name = _name(g)
     flat = x.reshape(-1) if x.dtype in _MOVABLE and not x.is_complex() else _as_bytes(x)
     sealed = _sealing(g) and (bucket or flat.numel() * flat.element_size() * g.n <= _SEAL_BYTES_LIMIT)
-    gather = lambda b: _c10d().all_gather_into_tensor(b, g.n, name)  # noqa: E731
+    def gather(parts, t, spec):  # [n, payload]: every rank's `parts` concatenated (the last: trailer `t`)
+        if g.gloo:  # shmap's op: launched, waited for on this thread and checked (`_all_gather_impl`)
+            return _chained(torch.ops.shmap.gloo_all_gather(parts, g.n, name, spec))
+        return _moved(lambda b: _c10d().all_gather_into_tensor(b, g.n, name), torch.cat(parts).view(1, -1), t,
+                      spec)  # a functional collective
+
     if sealed:
         b = _bytes(flat)
         nb = b.numel()
         spec = _spec(g, kind, x.shape, x.dtype, extra, "bytes", torch.uint8, nb + 8)
         t = _begin(flat, spec)
-        got = _moved(gather, torch.cat([b, t]).view(1, nb + 8), t, spec)  # [n, nb + 8]
+        got = gather([b, t], t, spec)  # [n, nb + 8]
         out = _unsealed_rows(got, nb, flat.dtype, g.n)  # (a view of the rows, as eagerly, where strides allow)
     else:
         spec = _spec(g, kind, x.shape, x.dtype, extra, None, flat.dtype)
         t = _begin(flat, spec)
-        out = _moved(gather, torch.cat([flat, t]).view(1, -1), t, spec)
+        out = gather([flat, t], t, spec)
     if out.dtype != x.dtype:  # (bytes of a dtype the wire lacks)
         out = out.contiguous().view(x.dtype)
     if g.g2t is not None:

@@ -96,7 +96,7 @@ def collectives():
     for call in range(2):  # the second call runs the cached graphs: the same events again
         bad += _same(f"collectives (call {call})", _run(cf, args), want)
     text = "\n".join(graphs)
-    for op in ("_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
+    for op in (_IN_GRAPH["all_reduce"], _IN_GRAPH["all_gather_into_tensor"],
                "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_to_all_single",
                "_c10d_functional.wait_tensor", "shmap.coll_begin", "shmap.coll_wait", "shmap.coll_record",
                "shmap.body_end"):
@@ -109,6 +109,12 @@ def collectives():
             "pmin"} <= kinds:
         bad.append(f"collectives: eager comm_log lacks kinds: {kinds}")
     return bad
+
+
+#: a collective as a graph on gloo names it: all_reduce and all_gather are shmap's own ops (waited for on
+#: the calling thread: see `shmap/backends/traced.py`), the others functional collectives
+_IN_GRAPH = {"all_reduce": "shmap.gloo_all_reduce.default", "all_gather_into_tensor": "shmap.gloo_all_gather.default",
+             "reduce_scatter_tensor": "_c10d_functional.reduce_scatter_tensor.default"}
 
 
 # --------------------------------------------------------------------------
@@ -167,7 +173,7 @@ def bucketed():
         bad.append(f"bucketed: the compiled call's gloo operations {compiled_ops} differ from eager's {eager_ops}")
     forward, backward = graphs if len(graphs) == 2 else ("", "")
     ops = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
-    counts = [{op: g.count(f"_c10d_functional.{op}.default") for op in ops} for g in (forward, backward)]
+    counts = [{op: g.count(_IN_GRAPH[op]) for op in ops} for g in (forward, backward)]
     want_counts = [{"all_gather_into_tensor": 1, "all_reduce": 1, "reduce_scatter_tensor": 0},  # + the loss's psum
                    {"all_gather_into_tensor": 2, "all_reduce": 1, "reduce_scatter_tensor": 1}]
     # (the backward's two all_gathers assemble the gradients of the sharded weights, passed as plain global
@@ -215,7 +221,7 @@ def full_buckets():
         bad.append(f"full buckets: gloo operations eager {eager_ops}, compiled {compiled_ops} (expected 2 "
                    "reductions and 1)")
     backward = graphs[1] if len(graphs) == 2 else ""
-    n = sum(backward.count(f"_c10d_functional.{op}.default") for op in ("all_reduce", "all_gather_into_tensor"))
+    n = backward.count(_IN_GRAPH["all_reduce"]) + backward.count(_IN_GRAPH["all_gather_into_tensor"])
     if n != 1:
         bad.append(f"full buckets: {len(graphs)} graphs; the backward's has {n} reductions, expected 1")
     return bad

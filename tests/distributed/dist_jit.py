@@ -11,6 +11,7 @@ failures (empty: all good).
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -144,15 +145,51 @@ def training_step():
     return bad
 
 
+def waits_on_the_calling_thread():
+    """A replayed all_reduce or all_gather is waited for on the calling thread, in slices, as eagerly (shmap
+    launches and waits for them: `shmap/backends/traced.py`); a reduce_scatter, whose gloo wait takes no timeout, on the helper
+    thread.  Counted by the helper's submissions during replays (both backends)."""
+    from shmap.backends import waits
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    x = torch.randn(8, 3000, dtype=torch.float64)  # the psum's 12000 elements: an all_reduce, not a small gather
+    bodies = {"psum": (lambda v: shmap.psum(v, "i"), P()), "all_gather": (lambda v: shmap.all_gather_invariant(v, "i"), P()),
+              "psum_scatter": (lambda v: shmap.psum_scatter(v, "i", tiled=True), P("i"))}
+    bad = []
+    submit = waits._Waiter.submit
+    for backend in ("eager", "inductor"):
+        for kind, (body, out) in bodies.items():
+            f = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=out)
+            j = shmap.jit(f, backend=backend)
+            j(x)  # the capture
+            calls = []
+            waits._Waiter.submit = lambda self, work, _calls=calls: (_calls.append(work), submit(self, work))[1]
+            try:
+                got = j(x)
+            finally:
+                waits._Waiter.submit = submit
+            if not torch.equal(_value(got), _value(f(x))):
+                bad.append(f"calling-thread waits, {backend}, {kind}: a replay differs from eager")
+            want = 1 if kind == "psum_scatter" else 0
+            if len(calls) != want:
+                bad.append(f"calling-thread waits, {backend}, {kind}: {len(calls)} waits on the helper thread, "
+                           f"expected {want}")
+    return bad
+
+
 def run_cases():
     import traceback
 
     bad = []
-    for case in (collectives, dtensor_gradients, training_step):
-        try:
-            bad += case()
-        except Exception:  # noqa: BLE001 - reported with the case's name
-            bad.append(f"{case.__name__}: {traceback.format_exc()}")
+    for case in (collectives, dtensor_gradients, training_step, waits_on_the_calling_thread):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                bad += case()
+            except Exception:  # noqa: BLE001 - reported with the case's name
+                bad.append(f"{case.__name__}: {traceback.format_exc()}")
+        # a call jit could not capture runs eagerly (equal values): it must not pass as a replay
+        bad += [f"{case.__name__}: {w.message}" for w in caught if "could not capture" in str(w.message)]
     return bad
 
 
