@@ -145,6 +145,35 @@ def training_step():
     return bad
 
 
+def pmap_call():
+    """A pmap over the world, taking and returning dicts, jitted (both backends): values, gradients and
+    comm_log equal eager's, with and without gradients, on the capture and on a replay."""
+    f = shmap.pmap(lambda d: {"a": shmap.psum(torch.sin(d["x"]) * d["w"], "i"), "b": d["x"] * 2}, "i",
+                   in_axes=({"x": 0, "w": None},))
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with shmap.comm_log() as log:
+            y = fn({"x": xx, "w": ww})
+            grads = torch.autograd.grad(_value(y["a"]).sum() + (_value(y["b"]) ** 2).sum(), (xx, ww))
+        with torch.no_grad(), shmap.comm_log() as log_ng:
+            y_ng = fn({"x": x, "w": w})
+        return ([_value(y[k]).detach() for k in sorted(y)] + [_value(y_ng[k]) for k in sorted(y_ng)], list(grads),
+                log.events + log_ng.events)
+
+    want = run(f)
+    bad = []
+    for backend in ("eager", "inductor"):
+        j = shmap.jit(f, backend=backend)
+        for call in range(2):
+            bad += _same(f"pmap, jit {backend}, call {call}", run(j), want, exact=backend == "eager")
+        if j.traces != 2:
+            bad.append(f"pmap, jit {backend}: {j.traces} captures, expected 2 (with and without gradients)")
+    return bad
+
+
 def waits_on_the_calling_thread():
     """A replayed all_reduce or all_gather is waited for on the calling thread, in slices, as eagerly (shmap
     launches and waits for them: `shmap/backends/traced.py`); a reduce_scatter, whose gloo wait takes no timeout, on the helper
@@ -181,7 +210,7 @@ def run_cases():
     import traceback
 
     bad = []
-    for case in (collectives, dtensor_gradients, training_step, waits_on_the_calling_thread):
+    for case in (collectives, dtensor_gradients, training_step, pmap_call, waits_on_the_calling_thread):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
