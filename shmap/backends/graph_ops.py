@@ -175,7 +175,7 @@ def _record_impl(after, event):
 
 
 # --------------------------------------------------------------------------
-# On gloo: all_reduce and all_gather as shmap's own ops, waited for on the calling thread (module docstring)
+# On gloo: all_reduce and all_gather as shmap's own ops, waited for on the calling thread (why: traced.py)
 # --------------------------------------------------------------------------
 def _pg(group):
     from torch.distributed.distributed_c10d import _resolve_process_group
