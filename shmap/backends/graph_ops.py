@@ -94,7 +94,7 @@ def _begin_impl(like, after, spec):
     w = _watch()
     pending = w.begin(s.kind, s.axes, s.shape, s.dtype, s.extra, exchange=s.seal is None)
     if pending is not None:
-        if w.overlapping():  # default mode: the exchange runs alongside the data, checked by coll_wait
+        if w.overlapping():  # default mode: the exchange runs alongside the data, checked after it
             _ALONGSIDE[spec] = pending  # (replacing one a failed collective left behind)
         else:
             w.verify(pending)  # strict: before the data moves
@@ -110,8 +110,9 @@ def _begin_impl(like, after, spec):
 
 
 #: spec -> the signature exchange `coll_begin` launched alongside its collective's data (default mode,
-#: a payload with no room for the signature), checked by the `coll_wait` that follows, as eagerly
-#: (`transports.InFlight.finish`); a traced collective completes before the next begins
+#: a payload with no room for the signature), checked by the `coll_wait` or gloo op that follows
+#: (`_checked`), as eagerly (`transports.InFlight.finish`); a traced collective completes before the next
+#: begins
 _ALONGSIDE: dict = {}
 
 

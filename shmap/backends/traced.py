@@ -208,6 +208,7 @@ def gather_rows(x, g: Group, kind, extra="", bucket=False):
     name = _name(g)
     flat = x.reshape(-1) if x.dtype in _MOVABLE and not x.is_complex() else _as_bytes(x)
     sealed = _sealing(g) and (bucket or flat.numel() * flat.element_size() * g.n <= _SEAL_BYTES_LIMIT)
+
     def gather(parts, t, spec):  # [n, payload]: every rank's `parts` concatenated (the last: trailer `t`)
         if g.gloo:  # shmap's op: launched, waited for on this thread and checked (`_all_gather_impl`)
             return _chained(torch.ops.shmap.gloo_all_gather(parts, g.n, name, spec))

@@ -175,14 +175,15 @@ def pmap_call():
 
 
 def waits_on_the_calling_thread():
-    """A replayed all_reduce or all_gather is waited for on the calling thread, in slices, as eagerly (shmap
-    launches and waits for them: `shmap/backends/traced.py`); a reduce_scatter, whose gloo wait takes no timeout, on the helper
-    thread.  Counted by the helper's submissions during replays (both backends)."""
+    """A replayed all_reduce or all_gather is waited for on the calling thread, in slices, as eagerly
+    (shmap's own ops: `shmap/backends/traced.py`); a reduce_scatter, whose gloo wait takes no timeout, on
+    the helper thread.  Counted by the helper's submissions during replays (both backends)."""
     from shmap.backends import waits
 
     mesh = shmap.make_mesh((2,), ("i",))
     x = torch.randn(8, 3000, dtype=torch.float64)  # the psum's 12000 elements: an all_reduce, not a small gather
-    bodies = {"psum": (lambda v: shmap.psum(v, "i"), P()), "all_gather": (lambda v: shmap.all_gather_invariant(v, "i"), P()),
+    bodies = {"psum": (lambda v: shmap.psum(v, "i"), P()),
+              "all_gather": (lambda v: shmap.all_gather_invariant(v, "i"), P()),
               "psum_scatter": (lambda v: shmap.psum_scatter(v, "i", tiled=True), P("i"))}
     bad = []
     submit = waits._Waiter.submit

@@ -2,10 +2,13 @@
 
 Values and gradients (bit for bit with the eager backend), DTensor arguments
 and their gradients' layouts, the `comm_log` events of the capture and of
-every replay, and a training step in the recipe's shape (dicts of DTensor
-parameters, gradients taken outside the call, an update with tensor scalars).  The guard runs
-inside every replay: a rank that never arrives at a replayed collective is
-named by the others, and programs that differ by rank are reported.
+every replay, a training step in the recipe's shape (dicts of DTensor
+parameters, gradients taken outside the call, an update with tensor scalars),
+and a pmap over the world.  A call jit could not capture (run eagerly, with a
+warning) fails.  The guard runs inside every replay: its all_reduce and
+all_gather waits on the calling thread (as eagerly), a rank that never
+arrives at a replayed collective is named by the others, and programs that
+differ by rank are reported.
 """
 from __future__ import annotations
 
