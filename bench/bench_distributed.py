@@ -323,8 +323,8 @@ def dp_worker(d_in, d_hidden, batch_per_rank, steps):
     a, b = fresh()
     jitted(x, y, a, b).sum().backward()  # (the capture)
     a, b = fresh()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # (a replay's collectives are functional
-        jitted(x, y, a, b).sum().backward()                   # collectives: counted as gloo operations)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # (a replay's collectives run inside graph
+        jitted(x, y, a, b).sum().backward()                   # ops: counted as gloo operations)
     gloo = {e.key[5:]: e.count for e in prof.key_averages() if e.key.startswith("gloo:")}
     gloo.pop("barrier", None)
     out["shares jit"] = dict(calls=gloo, bytes=None, err=max(rel_err(a.grad, true[0]), rel_err(b.grad, true[1])),

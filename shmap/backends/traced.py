@@ -165,10 +165,12 @@ def all_reduce(x, g: Group, kind):
     parts = x if isinstance(x, list) else [x.reshape(-1)]
     head, shape = parts[0], (sum(p.numel() for p in parts),) if isinstance(x, list) else x.shape
     if g.n == 1 or gathered_reduce(g, math.prod(shape) * head.element_size()):
-        x = torch.cat(parts) if isinstance(x, list) else x
-        if g.n == 1:
-            return x.clone(memory_format=torch.contiguous_format)
-        return reduce_rows(gather_rows(x, g, kind), kind)  # small: gathered and reduced here, as eagerly
+        if not isinstance(x, list):
+            whole = x.clone(memory_format=torch.contiguous_format) if g.n == 1 else x
+        else:
+            whole = torch.cat(parts)  # (a fresh tensor already)
+        # one position: the value itself; small: gathered and reduced here, as eagerly
+        return whole if g.n == 1 else reduce_rows(gather_rows(whole, g, kind), kind)
     name = _name(g)
     wire = _reduce_dtype(head, kind) or head.dtype
     seal = "reduce" if _sealing(g) and sealable(wire, g.n) and not wire.is_complex else None
@@ -209,23 +211,23 @@ def gather_rows(x, g: Group, kind, extra="", bucket=False):
     flat = x.reshape(-1) if x.dtype in _MOVABLE and not x.is_complex() else _as_bytes(x)
     sealed = _sealing(g) and (bucket or flat.numel() * flat.element_size() * g.n <= _SEAL_BYTES_LIMIT)
 
-    def gather(parts, t, spec):  # [n, payload]: every rank's `parts` concatenated (the last: trailer `t`)
+    def gather(parts, spec):  # [n, payload]: every rank's `parts` concatenated (the last: the trailer sent)
         if g.gloo:  # shmap's op: launched, waited for on this thread and checked (`_all_gather_impl`)
             return _chained(torch.ops.shmap.gloo_all_gather(parts, g.n, name, spec))
-        return _moved(lambda b: _c10d().all_gather_into_tensor(b, g.n, name), torch.cat(parts).view(1, -1), t,
-                      spec)  # a functional collective
+        return _moved(lambda b: _c10d().all_gather_into_tensor(b, g.n, name), torch.cat(parts).view(1, -1),
+                      parts[-1], spec)  # a functional collective
 
     if sealed:
         b = _bytes(flat)
         nb = b.numel()
         spec = _spec(g, kind, x.shape, x.dtype, extra, "bytes", torch.uint8, nb + 8)
         t = _begin(flat, spec)
-        got = gather([b, t], t, spec)  # [n, nb + 8]
+        got = gather([b, t], spec)  # [n, nb + 8]
         out = _unsealed_rows(got, nb, flat.dtype, g.n)  # (a view of the rows, as eagerly, where strides allow)
     else:
         spec = _spec(g, kind, x.shape, x.dtype, extra, None, flat.dtype)
         t = _begin(flat, spec)
-        out = gather([flat, t], t, spec)
+        out = gather([flat, t], spec)
     if out.dtype != x.dtype:  # (bytes of a dtype the wire lacks)
         out = out.contiguous().view(x.dtype)
     if g.g2t is not None:
