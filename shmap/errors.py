@@ -136,6 +136,12 @@ def op_name(func) -> str:
         return "torch.linalg." + name[len("linalg_"):]
     if mod == "torch._C._nn" or mod == "torch.nn.functional":
         return f"torch.nn.functional.{func.__name__}"
+    if "<locals>" in name and mod.startswith("torch"):  # (torch.unique: a closure a decorator built)
+        import torch
+
+        for space, prefix in ((torch, "torch."), (torch.nn.functional, "torch.nn.functional.")):
+            if getattr(space, func.__name__, None) is func:
+                return prefix + func.__name__
     if mod.startswith("torch") and not name.startswith("Tensor") and "." not in name:
         return f"torch.{name}"
     return name

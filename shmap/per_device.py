@@ -79,18 +79,53 @@ def _stack(func, outs, devices, sizes, out_paxes, body):
             continue
         shapes = {tuple(c.shape) for c in column}
         if len(shapes) > 1:
-            where = {}
-            for c, d in zip(column, devices):
-                where.setdefault(tuple(c.shape), _where(out_paxes, d))
-            listed = "; ".join(f"device {w}: {s}" for s, w in where.items())
-            raise VmaError(
-                f"{op_name(func)}: its result has a different shape on different devices ({listed}; mesh "
-                f"{body.describe()}): its shape depends on each device's values (unique, nonzero, a boolean "
-                "mask), and a shard_map value has one per-device shape. Fix: keep shapes fixed, e.g. "
-                "torch.where(mask, x, 0) instead of x[mask], or pad to a common size."
-            )
+            raise shapes_differ(func, [tuple(c.shape) for c in column], [_where(out_paxes, d) for d in devices], body)
         stacked.append(torch.stack(column).reshape(*sizes, *first.shape))
     return optree.tree_unflatten(treedef, stacked)
+
+
+def shapes_differ(func, shapes, devices, body) -> VmaError:
+    """The error for a result whose shape differs by device: `shapes[k]` on device `devices[k]` (described,
+    e.g. "(i=0)"), each shape named once, by its first device.  Raised alike on both meshes: here after
+    the per-device runs, on processes after comparing the shapes (`value_shaped`)."""
+    where: dict = {}
+    for s, d in zip(shapes, devices):
+        where.setdefault(s, d)
+    listed = "; ".join(f"device {w}: {s}" for s, w in where.items())
+    return VmaError(
+        f"{op_name(func)}: its result has a different shape on different devices ({listed}; mesh "
+        f"{body.describe()}): its shape depends on each device's values (unique, nonzero, a boolean "
+        "mask), and a shard_map value has one per-device shape. Fix: keep shapes fixed, e.g. "
+        "torch.where(mask, x, 0) instead of x[mask], or pad to a common size."
+    )
+
+
+#: torch functions whose result's shape depends on the operand's values (always, or `value_shaped` says when)
+_VALUE_SHAPED = frozenset((
+    torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.masked_select,
+    torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.unique_consecutive,
+    torch.Tensor.unique_consecutive, torch.bincount, torch.Tensor.bincount, torch.repeat_interleave,
+    torch.Tensor.repeat_interleave, torch.Tensor.__getitem__, torch.where))
+
+
+def value_shaped(func, leaves) -> bool:
+    """Whether `func` on `leaves` (its flattened arguments) makes a result whose shape depends on the
+    values: on processes each device runs it alone, so its result's shape is compared across the devices
+    (`Distributed.run_op`), as the per-device runs here compare them.  Indexing only with a boolean (or
+    uint8) mask, `torch.where` only in its one-argument form, `repeat_interleave` only with a tensor of
+    repeats."""
+    try:
+        if func not in _VALUE_SHAPED:
+            return False
+    except TypeError:  # an unhashable callable
+        return False
+    if func is torch.Tensor.__getitem__:
+        return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in leaves[1:])
+    if func is torch.where:
+        return sum(isinstance(t, torch.Tensor) for t in leaves) == 1 and len(leaves) == 1
+    if func is torch.repeat_interleave or func is torch.Tensor.repeat_interleave:
+        return len(leaves) == 1 or any(isinstance(t, torch.Tensor) for t in leaves[1:])
+    return True
 
 
 def _check_shared(func, shared, body):

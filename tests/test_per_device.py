@@ -64,8 +64,25 @@ def test_boolean_mask_assignment_on_a_body_value():
 def test_a_result_whose_shape_differs_by_device_is_refused_naming_the_shapes():
     x = torch.tensor([[1.0, 1.0], [1.0, 2.0], [3.0, 3.0], [4.0, 5.0]] * 2)
     with pytest.raises(shmap.VmaError, match=r": its result has a different shape on different devices "
-                                             r"\(device \(i=0\): \(2,\); device \(i=1\): \(3,\); mesh"):
+                                             r"\(device \(i=0\): \(2,\); device \(i=1\): \(3,\); mesh") as info:
         shmap.shard_map(lambda v: torch.unique(v)[None], mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x)
+    assert str(info.value).startswith("torch.unique: ")  # (not the closure torch builds it with)
+
+
+def test_which_calls_make_a_result_shaped_by_the_values():
+    """`value_shaped`: the calls whose result's shape the distributed mesh compares across ranks (each rank
+    runs them alone; here the per-device runs compare the shapes themselves)."""
+    from shmap.per_device import value_shaped
+
+    x, mask, idx = torch.ones(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 2])
+    shaped = [(torch.nonzero, [x]), (torch.unique, [x]), (torch.Tensor.__getitem__, [x, mask]),
+              (torch.Tensor.__getitem__, [x, mask.to(torch.uint8)]), (torch.where, [mask]),
+              (torch.repeat_interleave, [idx]), (torch.Tensor.repeat_interleave, [x, idx]),
+              (torch.masked_select, [x, mask]), (torch.bincount, [idx])]
+    fixed = [(torch.exp, [x]), (torch.Tensor.__getitem__, [x, idx]), (torch.Tensor.__getitem__, [x, 1]),
+             (torch.where, [mask, x, x]), (torch.Tensor.repeat_interleave, [x, 2]), (lambda v: v, [x])]
+    assert [f for f, leaves in shaped if not value_shaped(f, leaves)] == []
+    assert [f for f, leaves in fixed if value_shaped(f, leaves)] == []
 
 
 def test_writing_shared_state_from_varying_values_is_refused_and_undone():

@@ -33,10 +33,11 @@ from __future__ import annotations
 import itertools
 import math
 
+import optree
 import torch
 
-from .. import batching, dtensor
-from ..errors import SpecError
+from .. import batching, dtensor, per_device
+from ..errors import SpecError, op_name
 from . import traced, watchdog
 from .deferred import Deferred
 from .boundary import (  # noqa: F401  (re-exported)
@@ -412,7 +413,37 @@ class Distributed(Backend):
     # ------------------------------------------------------------------
     @staticmethod
     def run_op(func, leaves, treedef, batched, union, inplace, body):
-        return batching.run_batched(func, leaves, treedef, batched, (), body), ()  # no device dims: a plain call
+        out = batching.run_batched(func, leaves, treedef, batched, (), body)  # no device dims: a plain call
+        if union and per_device.value_shaped(func, leaves) and not traced.tracing():
+            body.backend._same_shape_everywhere(func, out, union, body)
+        return out, ()
+
+    def _same_shape_everywhere(self, func, out, union, body):
+        """Raise the simulated mesh's error if a value-shaped op's result (unique, nonzero, a boolean
+        mask: `per_device.value_shaped`) has another shape on another device of the axes its operands vary
+        along.  Each rank knows only its own, so the shapes are gathered: one small all_gather, after such
+        ops on varying values only (not in comm_log: not a collective of the program).  Without it a
+        differing shape went on unnoticed, into a collective or an output whose global shape then
+        differed by rank (gloo aborts the process on a size mismatch)."""
+        shapes = [tuple(t.shape) for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+        flat = [d for s in shapes for d in s]
+        if not flat:
+            return
+        axes = body.order(union)
+        g = self.group(axes)
+        if g.n == 1:
+            return
+        rows = _gather_rows(torch.tensor(flat, dtype=torch.int64), g, "shape check", op_name(func)).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        sizes = [body.sizes[a] for a in axes]
+        devices = [per_device._where(axes, idx) for idx in itertools.product(*(range(n) for n in sizes))]
+        start = 0
+        for s in shapes:  # the first output whose shape differs, as the per-device runs report it
+            column = [tuple(r[start:start + len(s)]) for r in rows]
+            start += len(s)
+            if any(c != column[0] for c in column):
+                raise per_device.shapes_differ(func, column, devices, body)
 
     # ------------------------------------------------------------------
     # Nested shard_map: a parent body's value is whole along the axes it leaves

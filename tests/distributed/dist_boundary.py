@@ -341,3 +341,36 @@ def malformed_dtensors():
     good = shmap.device_put(torch.arange(16.0).reshape(4, 4), mesh, P("i", "j"))  # (a well-formed one still runs)
     out.append(torch.equal(f(good).full_tensor(), torch.arange(16.0).reshape(4, 4) * 2))
     return out
+
+
+def value_shaped_results():
+    """On mesh (i=2, j=2): ops whose result's shape depends on the values (unique, a boolean mask, nonzero)
+    -> [(case, simulated outcome, its comm_log, distributed outcome, its comm_log)]: where the shapes differ by device
+    both meshes raise the same error (each rank knew only its own shape: it went on, and a later collective
+    or output mixed blocks of different shapes); where they agree, the same values."""
+    mesh = shmap.make_mesh((2, 2), ("i", "j"))
+    sim = shmap.make_mesh((2, 2), ("i", "j"), distributed=False)
+    x = torch.tensor([[1., 1., 2., 2.], [1., 2., 3., 4.], [5., 5., 5., 5.], [1., 2., 3., 3.]])
+    cases = [
+        ("unique, varying over (i, j)", lambda v: torch.unique(v)[None], P("i", "j"), P("i", "j")),
+        ("a boolean mask, varying over i", lambda v: v[v > 1.5][None], P("i"), P("i")),
+        ("nonzero, varying over j", lambda v: torch.nonzero(v > 2).float(), P(None, "j"), P("j")),
+        ("unique with counts, the counts differing", lambda v: torch.unique(v, return_counts=True)[1][None].float(),
+         P("i", "j"), P("i", "j")),
+        ("nonzero, the same shape everywhere", lambda v: torch.nonzero(v > 0).float(), P("i"), P("i")),
+        ("a mask, then a psum", lambda v: shmap.psum(v[v > 0].sum(), "i"), P("i"), P()),
+        ("nonzero of an invariant value", lambda v: torch.nonzero(v > 2).float(), P(), P()),
+    ]
+    out = []
+    for name, f, ins, outs in cases:
+        got = []
+        for m in (sim, mesh):
+            with shmap.comm_log() as log:
+                try:
+                    r = shmap.shard_map(f, mesh=m, in_specs=ins, out_specs=outs)(x)
+                    got.append(("ok", (r.full_tensor() if hasattr(r, "full_tensor") else r).tolist()))
+                except shmap.VmaError as e:
+                    got.append(("VmaError", str(e)))
+            got.append([(e.kind, e.axes, e.bytes) for e in log.events])
+        out.append((name, *got))
+    return out

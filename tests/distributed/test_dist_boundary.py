@@ -93,3 +93,23 @@ def test_malformed_or_foreign_dtensor_arguments_are_refused_saying_why():
         assert "lives on another DeviceMesh than mesh (i=2, j=2)'s: ranks [[0, 2], [1, 3]]" in mesh_msg, mesh_msg
         assert "Fix: move it there first, `x = shmap.device_put(x, mesh, P('i', 'j'))`" in mesh_msg
         assert good is True
+
+
+def test_a_result_shaped_by_the_values_is_checked_across_ranks_as_the_simulated_mesh_checks_it():
+    results = shmap.spawn(dist_boundary.value_shaped_results, nprocs=4, timeout=90)
+    assert all(r == results[0] for r in results[1:]), "the ranks disagree"
+    outcomes = {name: (sim, sim_log, dist, dist_log) for name, sim, sim_log, dist, dist_log in results[0]}
+    for name, (sim, sim_log, dist, dist_log) in outcomes.items():
+        assert dist == sim, f"{name}: simulated {sim}, distributed {dist}"
+        assert dist_log == sim_log, f"{name}: comm_log {dist_log} (simulated {sim_log}): the shape check is not logged"
+    for name in ("unique, varying over (i, j)", "a boolean mask, varying over i", "nonzero, varying over j",
+                 "unique with counts, the counts differing"):
+        assert outcomes[name][0][0] == "VmaError", name
+    sim = outcomes["unique, varying over (i, j)"][0][1]
+    assert sim.startswith("torch.unique: its result has a different shape on different devices (device (i=0, j=0): "
+                          "(2,); device (i=0, j=1): (3,); "), sim
+    assert outcomes["nonzero, varying over j"][0][1].startswith(
+        "torch.nonzero: its result has a different shape on different devices (device (j=0): (2, 2); device (j=1): "
+        "(6, 2); mesh (i=2, j=2))")
+    for name in ("nonzero, the same shape everywhere", "a mask, then a psum", "nonzero of an invariant value"):
+        assert outcomes[name][0][0] == "ok", name
