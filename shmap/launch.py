@@ -161,8 +161,8 @@ def _died(code) -> str:
                     "receive cannot notice), a backward pass's gradient reduction differs between the ranks (a "
                     "replicated weight of different shapes on different ranks, a weight used on some ranks "
                     "only, a rank that skipped backward()), or a shard_map output has a different shape on "
-                    "different ranks (unique, nonzero, a boolean mask), which DTensor's full_tensor() then "
-                    "gathers")
+                    "different ranks (sliced by a Python number that differs by rank), which DTensor's "
+                    "full_tensor() then gathers")
     return msg
 
 
