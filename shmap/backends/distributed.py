@@ -38,7 +38,7 @@ import torch
 
 from .. import batching, dtensor, per_device
 from ..errors import SpecError, op_name
-from . import traced, watchdog
+from . import quick, traced, watchdog
 from .deferred import Deferred
 from .boundary import (  # noqa: F401  (re-exported)
     Arrive,
@@ -333,6 +333,8 @@ class Distributed(Backend):
     # ------------------------------------------------------------------
     # psum: varying{A} -> invariant{A}        transpose: pvary
     # ------------------------------------------------------------------
+    quick_psum = quick.quick_psum  # the common eager psum's short way (quick.py; the backend is its first argument)
+
     def psum(self, phys, paxes, axes, body, shape, unchecked):
         g = self.group(axes)
         if _grad(phys):

@@ -43,6 +43,12 @@ class Backend(abc.ABC):
         general path.  A shortcut for the common argument; the default takes none."""
         return None
 
+    def quick_psum(self, x, axis_name):
+        """`shmap.psum(x, axis_name)` for a body value `x` and one axis name by a direct path, or None
+        to take the general one (`psum`).  A shortcut for the commonest collective; the default
+        takes none."""
+        return None
+
     @abc.abstractmethod
     def split(self, x, spec, body):
         """Global value `x` -> `(phys, axes)`: this body's value of it, cut by `spec`.

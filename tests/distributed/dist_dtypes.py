@@ -229,3 +229,70 @@ def errors_and_unreduced():
     if not torch.equal(out.full_tensor(), want) or want.tolist() != [24.0, 32.0]:
         bad.append(f"implicit unreduced output: {out.full_tensor()} vs simulated {want}")
     return bad
+
+
+def quick_and_general_psums():
+    """On mesh (i=2, j=2): every psum `backends/quick.py` takes (one axis of 2 processes, float32/64 and
+    int32/64, any shape and layout, varying or invariant operands) gives what the general path gives,
+    which it is checked against call by call (the general path forced by turning the short way off):
+    the same bits, dtype, shape and type, the same comm_log and the same collective count; the
+    simulated mesh's values too; with checks on (default) and off.  Cases it must leave to the general
+    path (bool, bfloat16, an axis tuple, strict mode) are not taken.  -> [differences]"""
+    from shmap.backends import distributed, quick
+
+    taken = []
+
+    def counting(backend, x, axis_name):
+        out = quick.quick_psum(backend, x, axis_name)
+        taken.append(out is not None)
+        return out
+
+    bad = []
+    mesh, sim = shmap.make_mesh((2, 2), ("i", "j")), shmap.make_mesh((2, 2), ("i", "j"), distributed=False)
+    cases = []
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+        cases += [(f"{dtype} over i", dtype, lambda v: shmap.psum(v, "i"), P("i"), P(None, "j"), True),
+                  (f"{dtype} over j, a transposed block", dtype, lambda v: shmap.psum(v.T * 1, "j").T, P("i", "j"),
+                   P("i"), True),
+                  (f"{dtype} of an invariant value", dtype, lambda v: shmap.psum(v[0, 0], "j"), P(), P(), True)]
+    cases += [("an empty block", torch.float32, lambda v: shmap.psum(v[:, :0], "i"), P("i"), P(None, "j"), True),
+              ("bool (counted: the general path)", torch.bool, lambda v: shmap.psum(v, "i"), P("i"), P(None, "j"),
+               False),
+              ("bfloat16 (summed in float32: the general path)", torch.bfloat16, lambda v: shmap.psum(v, "i"),
+               P("i"), P(None, "j"), False),
+              ("over ('i', 'j') (the general path)", torch.float32, lambda v: shmap.psum(v, ("i", "j")),
+               P("i", "j"), P(), False)]
+    real = distributed.Distributed.quick_psum
+    cases = [(n, dt, f, i, o, q, True) for n, dt, f, i, o, q in cases] + [
+        ("float32 over i, checks off", torch.float32, cases[0][2], P("i"), P(None, "j"), True, False),
+        ("float32 over i, strict (the general path)", torch.float32, cases[0][2], P("i"), P(None, "j"), False, "strict")]
+    for name, dtype, f, ins, outs, quick_expected, checks in cases:
+        prev = shmap.configure_distributed(check_collectives=checks)
+        x = sample(dtype, (4, 6), seed=len(name))
+        results = []
+        for way in ("quick", "general", "simulated"):
+            distributed.Distributed.quick_psum = counting if way == "quick" else lambda *a: None
+            del taken[:]
+            counter = _guard_counter()
+            try:
+                results.append(_run(sim if way == "simulated" else mesh, lambda v, f=f: (f(v),), ins, (outs,), x))
+            finally:
+                distributed.Distributed.quick_psum = real
+            if way == "quick":
+                used, q_count = any(taken), _guard_counter() - counter
+            elif way == "general":
+                g_count = _guard_counter() - counter
+        if used != quick_expected:
+            bad.append(f"{name}: the short way {'was' if used else 'was not'} taken")
+        if q_count != g_count:
+            bad.append(f"{name}: {q_count} collectives counted the short way, {g_count} the general way")
+        shmap.configure_distributed(**prev)
+        bad += _compare(f"{name} (short way vs general)", results[1], results[0])
+        bad += _compare(f"{name} (short way vs simulated)", results[2], results[0])
+    return bad
+
+
+def _guard_counter():
+    from shmap.backends import watchdog
+
+    return watchdog.watch().counter

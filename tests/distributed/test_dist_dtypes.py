@@ -37,3 +37,10 @@ def test_errors_and_implicit_unreduced_output_match():
     results = shmap.spawn(dist_dtypes.errors_and_unreduced, nprocs=4, timeout=60)
     for r, bad in enumerate(results):
         assert bad == [], f"rank {r}:\n" + "\n".join(bad)
+
+
+def test_the_short_way_of_a_psum_gives_what_the_general_path_gives():
+    """`backends/quick.py`: values, dtypes, comm_log and the collective count, call by call."""
+    results = shmap.spawn(dist_dtypes.quick_and_general_psums, nprocs=4, timeout=90)
+    for r, bad in enumerate(results):
+        assert bad == [], f"rank {r}:\n" + "\n".join(bad)
