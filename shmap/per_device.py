@@ -122,7 +122,7 @@ def value_shaped(func, leaves) -> bool:
     if func is torch.Tensor.__getitem__:
         return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in leaves[1:])
     if func is torch.where:
-        return sum(isinstance(t, torch.Tensor) for t in leaves) == 1 and len(leaves) == 1
+        return len(leaves) == 1
     if func is torch.repeat_interleave or func is torch.Tensor.repeat_interleave:
         return len(leaves) == 1 or any(isinstance(t, torch.Tensor) for t in leaves[1:])
     return True

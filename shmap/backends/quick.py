@@ -25,8 +25,9 @@ invariant along the axis and copy-on-write like any collective's
 (`cow.mark_shared`).  Only the order differs: what needs none of the data
 (the count, the event, the result's views and type) runs while the data is
 on the wire, after the launch, where the general path runs it before the
-launch or after the wait, in series with the collective.  `tests/distributed/dist_dtypes.py` runs
-each case both ways and compares them.
+launch or after the wait, in series with the collective.
+`tests/distributed/dist_dtypes.py` runs each case both ways and compares
+them.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from .traced import tracing
 
 #: dtypes gloo sums as they are (no wire dtype, no real view), each able to carry a signature
 _DIRECT = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
-_SUM = []  # [AllreduceOptions], made on first use (torch.distributed need not be imported before)
+_SUM = []  # [ReduceOp.SUM], looked up on first use (torch.distributed is imported lazily)
 
 
 def quick_psum(backend, x: ShTensor, axis_name: str):
