@@ -240,6 +240,10 @@ def _gather_invariant_rule(vma, shape, axes, n, *, axis=0, tiled=False):
 
 
 def _all_gather(api, x, axis_name, axis, tiled, invariant):
+    if type(x) is ShTensor and type(axis_name) is str:  # the backend's short way, where it has one
+        out = x._body.backend.quick_all_gather(x, axis_name, axis, tiled, invariant)
+        if out is not None:
+            return out
     axes = _axes(api, axis_name)
     body, x = _operand(api, x, axes)
     rank = x.dim()

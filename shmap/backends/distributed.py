@@ -333,7 +333,8 @@ class Distributed(Backend):
     # ------------------------------------------------------------------
     # psum: varying{A} -> invariant{A}        transpose: pvary
     # ------------------------------------------------------------------
-    quick_psum = quick.quick_psum  # the common eager psum's short way (quick.py; the backend is its first argument)
+    # the common eager psum's and all_gather's short ways (quick.py; the backend is their first argument)
+    quick_psum, quick_all_gather = quick.quick_psum, quick.quick_all_gather
 
     def psum(self, phys, paxes, axes, body, shape, unchecked):
         g = self.group(axes)

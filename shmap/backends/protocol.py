@@ -45,8 +45,13 @@ class Backend(abc.ABC):
 
     def quick_psum(self, x, axis_name):
         """`shmap.psum(x, axis_name)` for a body value `x` and one axis name by a direct path, or None
-        to take the general one (`psum`).  A shortcut for the commonest collective; the default
+        to take the general one (`psum`).  A shortcut for the commonest collectives; the default
         takes none."""
+        return None
+
+    def quick_all_gather(self, x, axis_name, axis, tiled, invariant):
+        """As `quick_psum`, for `shmap.all_gather` (`all_gather_invariant` if `invariant`); the
+        arguments as the caller gave them, unchecked (None: the general path checks them)."""
         return None
 
     @abc.abstractmethod

@@ -231,59 +231,94 @@ def errors_and_unreduced():
     return bad
 
 
-def quick_and_general_psums():
-    """On mesh (i=2, j=2): every psum `backends/quick.py` takes (one axis of 2 processes, float32/64 and
-    int32/64, any shape and layout, varying or invariant operands) gives what the general path gives,
-    which it is checked against call by call (the general path forced by turning the short way off):
-    the same bits, dtype, shape and type, the same comm_log and the same collective count; the
-    simulated mesh's values too; with checks on (default) and off.  Cases it must leave to the general
-    path (bool, bfloat16, an axis tuple, strict mode) are not taken.  -> [differences]"""
+def quick_and_general_collectives():
+    """On mesh (i=2, j=2): every psum and all_gather `backends/quick.py` takes (one axis of 2 processes,
+    float32/64 and int32/64, any shape, layout, axis and tiling, varying or invariant operands) gives what
+    the general path gives, which it is checked against call by call (the general path forced by turning
+    the short ways off): the same bits, dtype, shape and type, the same comm_log and the same collective
+    count; the simulated mesh's values too; with checks on (default) and off.  Cases it must leave to
+    the general path (bool, bfloat16, an axis tuple, strict mode, a payload too big to seal) are not
+    taken.  -> [differences]"""
     from shmap.backends import distributed, quick
 
     taken = []
 
-    def counting(backend, x, axis_name):
-        out = quick.quick_psum(backend, x, axis_name)
-        taken.append(out is not None)
-        return out
+    def counting(name):
+        def short_way(backend, x, *args):
+            out = getattr(quick, name)(backend, x, *args)
+            taken.append(out is not None)
+            return out
+        return short_way
+
+    def general(*args):
+        return None
 
     bad = []
     mesh, sim = shmap.make_mesh((2, 2), ("i", "j")), shmap.make_mesh((2, 2), ("i", "j"), distributed=False)
+    ag, agi = shmap.all_gather, shmap.all_gather_invariant
     cases = []
     for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
-        cases += [(f"{dtype} over i", dtype, lambda v: shmap.psum(v, "i"), P("i"), P(None, "j"), True),
-                  (f"{dtype} over j, a transposed block", dtype, lambda v: shmap.psum(v.T * 1, "j").T, P("i", "j"),
-                   P("i"), True),
-                  (f"{dtype} of an invariant value", dtype, lambda v: shmap.psum(v[0, 0], "j"), P(), P(), True)]
-    cases += [("an empty block", torch.float32, lambda v: shmap.psum(v[:, :0], "i"), P("i"), P(None, "j"), True),
-              ("bool (counted: the general path)", torch.bool, lambda v: shmap.psum(v, "i"), P("i"), P(None, "j"),
+        cases += [(f"psum of {dtype} over i", dtype, lambda v: shmap.psum(v, "i"), P("i"), P(None, "j"), True),
+                  (f"psum of {dtype} over j, a transposed block", dtype, lambda v: shmap.psum(v.T * 1, "j").T,
+                   P("i", "j"), P("i"), True),
+                  (f"psum of {dtype}, an invariant value", dtype, lambda v: shmap.psum(v[0, 0], "j"), P(), P(), True),
+                  (f"all_gather of {dtype} over i, tiled", dtype, lambda v: ag(v, "i", tiled=True), P("i"), P("i"),
+                   True),
+                  (f"all_gather of {dtype} over i, axis 1", dtype, lambda v: ag(v, "i", axis=1), P("i"), P("i"), True),
+                  (f"all_gather_invariant of {dtype} over i, tiled, axis -1", dtype,
+                   lambda v: agi(v, "i", axis=-1, tiled=True), P("i"), P(), True),
+                  (f"all_gather of {dtype} over j, a transposed block", dtype, lambda v: ag(v.T * 1, "j", tiled=True),
+                   P("i", "j"), P("i", "j"), True),
+                  (f"all_gather of {dtype}, an invariant value", dtype, lambda v: ag(v, "j"), P(), P("j"), True)]
+    cases += [("psum of an empty block", torch.float32, lambda v: shmap.psum(v[:, :0], "i"), P("i"), P(None, "j"),
+               True),
+              ("psum of bool (counted: the general path)", torch.bool, lambda v: shmap.psum(v, "i"), P("i"),
+               P(None, "j"), False),
+              ("psum of bfloat16 (summed in float32: the general path)", torch.bfloat16,
+               lambda v: shmap.psum(v, "i"), P("i"), P(None, "j"), False),
+              ("psum over ('i', 'j') (the general path)", torch.float32, lambda v: shmap.psum(v, ("i", "j")),
+               P("i", "j"), P(), False),
+              ("all_gather of bool (the general path)", torch.bool, lambda v: ag(v, "i", tiled=True), P("i"), P("i"),
                False),
-              ("bfloat16 (summed in float32: the general path)", torch.bfloat16, lambda v: shmap.psum(v, "i"),
-               P("i"), P(None, "j"), False),
-              ("over ('i', 'j') (the general path)", torch.float32, lambda v: shmap.psum(v, ("i", "j")),
-               P("i", "j"), P(), False)]
-    real = distributed.Distributed.quick_psum
+              ("all_gather of a scalar", torch.float32, lambda v: ag(v[0, 0], "i"), P("i"), P("i"), True),
+              ("all_gather of an empty block (the general path)", torch.float32, lambda v: ag(v[:, :0], "i"), P("i"),
+               P("i"), False),
+              ("all_gather of 320 KiB (too big to seal: the general path)", torch.float32,
+               lambda v: ag(v.repeat(1, 6700), "i", tiled=True), P("i"), P("i"), False)]
+    real = distributed.Distributed.quick_psum, distributed.Distributed.quick_all_gather
     cases = [(n, dt, f, i, o, q, True) for n, dt, f, i, o, q in cases] + [
-        ("float32 over i, checks off", torch.float32, cases[0][2], P("i"), P(None, "j"), True, False),
-        ("float32 over i, strict (the general path)", torch.float32, cases[0][2], P("i"), P(None, "j"), False, "strict")]
+        ("psum over i, checks off", torch.float32, cases[0][2], P("i"), P(None, "j"), True, False),
+        ("psum over i, strict (the general path)", torch.float32, cases[0][2], P("i"), P(None, "j"), False, "strict"),
+        ("all_gather over i, checks off", torch.float32, cases[3][2], P("i"), P("i"), True, False),
+        ("all_gather over i, strict (the general path)", torch.float32, cases[3][2], P("i"), P("i"), False, "strict"),
+        ("all_gather of 320 KiB, checks off", torch.float32, cases[-1][2], P("i"), P("i"), True, False)]
     for name, dtype, f, ins, outs, quick_expected, checks in cases:
         prev = shmap.configure_distributed(check_collectives=checks)
         x = sample(dtype, (4, 6), seed=len(name))
-        results = []
+        results, types = [], {}
+
+        def typed(out, way):
+            types[way] = (shmap.vma(out), out.dtype, tuple(out.shape))  # (the per-device type)
+            return out
         for way in ("quick", "general", "simulated"):
-            distributed.Distributed.quick_psum = counting if way == "quick" else lambda *a: None
+            short = way == "quick"
+            distributed.Distributed.quick_psum = counting("quick_psum") if short else general
+            distributed.Distributed.quick_all_gather = counting("quick_all_gather") if short else general
             del taken[:]
             counter = _guard_counter()
             try:
-                results.append(_run(sim if way == "simulated" else mesh, lambda v, f=f: (f(v),), ins, (outs,), x))
+                results.append(_run(sim if way == "simulated" else mesh, lambda v, f=f, way=way: (typed(f(v), way),),
+                                    ins, (outs,), x))
             finally:
-                distributed.Distributed.quick_psum = real
+                distributed.Distributed.quick_psum, distributed.Distributed.quick_all_gather = real
             if way == "quick":
                 used, q_count = any(taken), _guard_counter() - counter
             elif way == "general":
                 g_count = _guard_counter() - counter
         if used != quick_expected:
             bad.append(f"{name}: the short way {'was' if used else 'was not'} taken")
+        if not types["quick"] == types["general"] == types["simulated"]:
+            bad.append(f"{name}: per-device types differ: {types}")
         if q_count != g_count:
             bad.append(f"{name}: {q_count} collectives counted the short way, {g_count} the general way")
         shmap.configure_distributed(**prev)

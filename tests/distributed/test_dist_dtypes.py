@@ -39,8 +39,8 @@ def test_errors_and_implicit_unreduced_output_match():
         assert bad == [], f"rank {r}:\n" + "\n".join(bad)
 
 
-def test_the_short_way_of_a_psum_gives_what_the_general_path_gives():
+def test_the_short_ways_of_psum_and_all_gather_give_what_the_general_path_gives():
     """`backends/quick.py`: values, dtypes, comm_log and the collective count, call by call."""
-    results = shmap.spawn(dist_dtypes.quick_and_general_psums, nprocs=4, timeout=90)
+    results = shmap.spawn(dist_dtypes.quick_and_general_collectives, nprocs=4, timeout=120)
     for r, bad in enumerate(results):
         assert bad == [], f"rank {r}:\n" + "\n".join(bad)
