@@ -144,5 +144,5 @@ def quick_all_gather(backend, x: ShTensor, axis_name: str, axis, tiled, invarian
     if sealed:
         w.unseal(seal, g.ranks)
     w.done()
-    out = rows.flatten(axis, axis + 1) if tiled else rows  # (a copy: it reads the data)
+    out = rows.flatten(axis, axis + 1) if tiled else rows  # (after the wait: where rows have gaps it copies)
     return cow.mark_shared(ShTensor(out, (), frozenset(vma), body), False)
