@@ -20,7 +20,7 @@ import torch
 from torch._higher_order_ops.effects import _EffectType
 
 from .. import comm
-from .groups import Group
+from .groups import Group, _gather_into
 from .signatures import SEAL_BITS, reduce_trailer, signature16
 
 _C = None
@@ -200,13 +200,10 @@ def _all_reduce_impl(parts, op, group, spec):
 def _all_gather_impl(parts, n, group, spec):
     """[n, total]: every rank's concatenation of `parts` (the last: the trailer sent), waited for and
     checked."""
-    import torch.distributed as dist
-
     s = _get(spec)
     send = torch.cat(parts).view(1, -1)
     out = send.new_empty((n, send.shape[1]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _watch().wait(gather(out, send, group=_pg(group), async_op=True), None, s.ranks, gloo=True)
+    _watch().wait(_gather_into(out, send, _pg(group)), None, s.ranks, gloo=True)
     _checked(out, parts[-1], s, spec)
     return out
 

@@ -16,6 +16,14 @@ def _dist():
     return _DIST
 
 
+def _gather_into(out, x, group):
+    """The all_gather of `x` into `out` ([n, *x.shape] flat) on `group`, async: torch's current name for it
+    (`all_gather_into_tensor` is deprecated where `all_gather_single` exists)."""
+    dist = _dist()
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=True)
+
+
 # --------------------------------------------------------------------------
 # Process groups over axis tuples
 # --------------------------------------------------------------------------

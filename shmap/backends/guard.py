@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CollectiveMismatchError
 from .config import _OPTIONS
-from .groups import _dist
+from .groups import _dist, _gather_into
 from .signatures import Seal, _Pending, describe, signature16  # noqa: F401  (Seal: annotations)
 from .waits import WatchedWaits, _ranks, _user_location
 
@@ -271,8 +271,3 @@ class Watch(WatchedWaits):
 _BOX = 512
 _BOX_HEAD = struct.Struct("<III")
 
-
-def _gather_into(out, x, group):
-    dist = _dist()
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, x, group=group, async_op=True)

@@ -41,13 +41,13 @@ from ..tensor import ShTensor
 from . import transports
 from .config import _OPTIONS
 from .functions import _record, _wrapped
-from .sealed import _SEAL_BYTES_LIMIT, _contiguous_strides, _sealing
-from .signatures import SEAL_BITS, Seal, reduce_trailer
+from .groups import _gather_into
+from .sealed import _sealed_bytes, _sealed_reduce, _sealing, _unsealed_rows
+from .signatures import Seal
 from .traced import tracing
 
 #: dtypes gloo sums as they are (no wire dtype, no real view), each able to carry a signature
 _DIRECT = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
-_SUM = []  # [ReduceOp.SUM], looked up on first use (torch.distributed is imported lazily)
 
 
 def _group(backend, x: ShTensor, axis_name: str):
@@ -73,31 +73,19 @@ def quick_psum(backend, x: ShTensor, axis_name: str):
     phys, body = x._phys, x._body
     if g is None or transports.gathered_reduce(g, phys.numel() * phys.element_size()):
         return None
-    sealed = _sealing(g)
-    if not sealed and _OPTIONS["check_collectives"] is not False:  # strict: a signature exchange first
+    if not _sealing(g) and _OPTIONS["check_collectives"] is not False:  # strict: a signature exchange first
         return None
-    axes = (axis_name,)
-    shape, dtype = phys.shape, phys.dtype
-    w = g._backend.watch
-    if sealed:  # the one copy a functional psum makes, with the signature appended
-        lo, hi, expect = reduce_trailer(w.next_signature16("psum", axes, shape, dtype), dtype)
-        buf = torch.cat([phys if phys.dim() == 1 else phys.reshape(-1), lo, hi])
-    else:  # checks off: counted and watched all the same
-        buf = phys.clone(memory_format=torch.contiguous_format).view(-1)
-    if not _SUM:
-        _SUM.append(transports._dist().ReduceOp.SUM)
-    work = transports._pg_all_reduce(buf, _SUM[0], g.pg())
+    axes, shape, dtype, w = (axis_name,), phys.shape, phys.dtype, g._backend.watch
+    buf, data, seal = _sealed_reduce(phys, dtype, g, "psum")  # the copy, the signature appended (default mode)
+    work = transports._pg_all_reduce(buf, transports._dist().ReduceOp.SUM, g.pg())
     # While the data is on the wire, what needs none of it: the count and black box (read by the
     # wait's messages and by the other ranks only while this one waits), the event, the result's
-    # views and type.  After the wait it would run in series with it.
+    # type.  After the wait it would run in series with it.
     w.begin("psum", axes, shape, dtype)
     _record("psum", axes, shape, dtype)
-    m = buf.numel() - 2 * SEAL_BITS if sealed else buf.numel()
-    seal = Seal("reduce", None, buf.as_strided((2 * SEAL_BITS,), (1,), m), expect) if sealed else None
-    out = buf.as_strided(shape, _contiguous_strides(shape))  # (as_strided: the cheapest view)
-    out = cow.mark_shared(ShTensor(out, (), x._vma - {axis_name}, body), False)
+    out = cow.mark_shared(ShTensor(data, (), x._vma - {axis_name}, body), False)
     w.wait(work, None, g.ranks, gloo=True)
-    if sealed:
+    if seal is not None:
         w.unseal(seal, g.ranks)
     w.done()
     return out
@@ -115,33 +103,25 @@ def quick_all_gather(backend, x: ShTensor, axis_name: str, axis, tiled, invarian
     if g is None or not -hi <= axis < hi or phys.numel() == 0:  # (tiled on a scalar: hi == 0)
         return None
     axis %= hi
-    nbytes = phys.numel() * phys.element_size()
-    sealed = _sealing(g) and nbytes * g.n <= _SEAL_BYTES_LIMIT
-    if not sealed and _OPTIONS["check_collectives"] is not False:  # strict, or a payload that exchanges
-        return None
     kind = "all_gather_invariant" if invariant else "all_gather"
-    axes, shape, dtype, n = (axis_name,), phys.shape, phys.dtype, g.n
+    axes, shape, dtype, n, w = (axis_name,), phys.shape, phys.dtype, g.n, g._backend.watch
     extra = f"axis={axis}, tiled={tiled}"
-    w = g._backend.watch
-    flat = phys.reshape(-1) if phys.is_contiguous() else phys.contiguous().view(-1)
-    if sealed:  # each row: the block's bytes, then the 8-byte signature (sealed._sealed_bytes' layout)
-        sig = w.next_signature_bytes(kind, axes, shape, dtype, extra)
-        send = torch.cat([flat.view(torch.uint8), torch.frombuffer(bytearray(sig), dtype=torch.uint8)])
-        got = send.new_empty((n, nbytes + 8))
-    else:
-        send, got = flat, flat.new_empty((n, flat.numel()))
-    work = transports._dist().all_gather_into_tensor(got.view(-1), send, group=g.pg(), async_op=True)
+    flat = phys.reshape(1, -1)
+    send, nb, expect = _sealed_bytes(flat, g, kind, shape, dtype, extra)  # each row: its bytes, then the signature
+    if send is None:  # no signature in the payload
+        if _OPTIONS["check_collectives"] is not False:  # strict, or too big to seal: an exchange beside it
+            return None
+        send = flat.contiguous()
+    got = send.new_empty((n, send.shape[1]))
+    work = _gather_into(got, send, g.pg())
     w.begin(kind, axes, shape, dtype, extra)  # (while the data is on the wire, as quick_psum)
     _record(kind, axes, shape, dtype)
-    if sealed:
-        seal = Seal("bytes", None, got.as_strided((n, 8), (nbytes + 8, 1), nbytes), list(sig))
-        rows = got.as_strided((n, nbytes), (nbytes + 8, 1)).view(dtype)  # (a whole number of elements apart)
-    else:
-        rows = got
+    seal = None if expect is None else Seal("bytes", None, got[:, nb:], expect)
+    rows = got if expect is None else _unsealed_rows(got, nb, dtype, n)
     rows = rows.view(n, *shape).movedim(0, axis)
     vma = x._vma - {axis_name} if invariant else x._vma | {axis_name}
     w.wait(work, None, g.ranks, gloo=True)
-    if sealed:
+    if seal is not None:
         w.unseal(seal, g.ranks)
     w.done()
     out = rows.flatten(axis, axis + 1) if tiled else rows  # (after the wait: where rows have gaps it copies)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .groups import Group, _dist
+from .groups import Group, _dist, _gather_into
 from . import sealed
 from .sealed import (_sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealing, _unseal_bytes,
                      _unsealed_rows)
@@ -287,22 +287,20 @@ def _launch_gather_rows(x, g: Group, kind, extra=""):
         shape, dtype, shm = x.shape, x.dtype, g.shm(x)
         flat = x.reshape(-1) if x.dtype in _MOVABLE else _as_bytes(x)
         wire, src = flat.dtype, flat.reshape(1, -1)
-    dist = _dist()
     flight = None
     if shm is not None:  # completes here
         got = _run_shm(g, kind, shape, dtype, lambda: shm.all_gather(flat), extra)
         read = lambda: got  # noqa: E731
     else:
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         send, nb, expect = _sealed_bytes(src, g, kind, shape, dtype, extra)
         if send is None:
             out = flat.new_empty((g.n, flat.numel()))
             flight = _start(g, kind, shape, dtype,
-                            lambda pg: fn(out, src, group=pg, async_op=True), extra)
+                            lambda pg: _gather_into(out, src, pg), extra)
             read = lambda: out  # noqa: E731
         else:
             got = send.new_empty((g.n, nb + 8))
-            flight = _start(g, kind, shape, dtype, lambda pg: fn(got, send, group=pg, async_op=True), extra,
+            flight = _start(g, kind, shape, dtype, lambda pg: _gather_into(got, send, pg), extra,
                             seal=Seal("bytes", None, got[:, nb:], expect))
             read = lambda: _unsealed_rows(got, nb, wire, g.n)  # noqa: E731
 
