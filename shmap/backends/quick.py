@@ -42,7 +42,7 @@ from . import transports
 from .config import _OPTIONS
 from .functions import _record, _wrapped
 from .groups import _gather_into
-from .sealed import _sealed_bytes, _sealed_reduce, _sealing, _unsealed_rows
+from .sealed import _sealed_bytes, _sealing, _unsealed_rows, reduce_buffer, reduce_views
 from .signatures import Seal
 from .traced import tracing
 
@@ -76,13 +76,14 @@ def quick_psum(backend, x: ShTensor, axis_name: str):
     if not _sealing(g) and _OPTIONS["check_collectives"] is not False:  # strict: a signature exchange first
         return None
     axes, shape, dtype, w = (axis_name,), phys.shape, phys.dtype, g._backend.watch
-    buf, data, seal = _sealed_reduce(phys, dtype, g, "psum")  # the copy, the signature appended (default mode)
+    buf, _, expect = reduce_buffer(phys, dtype, g, "psum")  # the copy, the signature appended (default mode)
     work = transports._pg_all_reduce(buf, transports._dist().ReduceOp.SUM, g.pg())
     # While the data is on the wire, what needs none of it: the count and black box (read by the
     # wait's messages and by the other ranks only while this one waits), the event, the result's
-    # type.  After the wait it would run in series with it.
+    # views and type.  After the wait it would run in series with it.
     w.begin("psum", axes, shape, dtype)
     _record("psum", axes, shape, dtype)
+    data, seal = reduce_views(buf, shape, expect)
     out = cow.mark_shared(ShTensor(data, (), x._vma - {axis_name}, body), False)
     w.wait(work, None, g.ranks, gloo=True)
     if seal is not None:

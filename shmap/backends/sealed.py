@@ -22,7 +22,14 @@ def _sealing(g: Group) -> bool:
 def _sealed_reduce(src, dtype, g: Group, kind):
     """(buffer, data view, seal) for a reduction of `src` in `dtype`: the buffer is the data (a fresh
     copy of `src`) followed by the signature trailer, built by one `cat`; reduce the buffer, read the
-    view.  `src` may be a list of 1-D tensors (a bucket): their concatenation, copied once."""
+    view.  `src` may be a list of 1-D tensors (a bucket): their concatenation, copied once.
+    (`reduce_buffer` then `reduce_views`: a caller may launch between the two, `quick.py`.)"""
+    buf, shape, expect = reduce_buffer(src, dtype, g, kind)
+    return (buf, *reduce_views(buf, shape, expect))
+
+
+def reduce_buffer(src, dtype, g: Group, kind):
+    """(buffer, data shape, expected trailer pattern or None) for `_sealed_reduce`: what is launched."""
     parts = src if isinstance(src, list) else None
     if parts is not None:
         src = parts[0]
@@ -34,18 +41,24 @@ def _sealed_reduce(src, dtype, g: Group, kind):
             out = torch.cat([p.to(dtype) for p in parts])
         else:
             out = src.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        return out, out, None
+        return out, shape, None
     h = g._backend.watch.next_signature16(kind, g.axes, shape, src.dtype)
     lo, hi, expect = reduce_trailer(h, dtype)
     if not src.is_cpu:
         lo, hi = lo.to(src.device), hi.to(src.device)
     if parts is None:
         parts = [src if src.dim() == 1 else src.reshape(-1)]
-    buf = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts] + [lo, hi])
-    # as_strided: the cheapest way to the two views (this runs on every collective)
+    return torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts] + [lo, hi]), shape, expect
+
+
+def reduce_views(buf, shape, expect):
+    """(data view, seal) of a `reduce_buffer` buffer: the buffer itself and None when it carries no
+    trailer.  (as_strided: the cheapest way to the two views; this runs on every collective.)"""
+    if expect is None:
+        return buf, None
     m = buf.numel() - 2 * SEAL_BITS
     out = buf.as_strided(shape, _contiguous_strides(shape))
-    return buf, out, Seal("reduce", None, buf.as_strided((2 * SEAL_BITS,), (1,), m), expect)
+    return out, Seal("reduce", None, buf.as_strided((2 * SEAL_BITS,), (1,), m), expect)
 
 
 _STRIDES: dict = {}
