@@ -98,6 +98,7 @@ import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
 
 from . import comm, context, jit_dtensor
+from .backends.config import traced_options
 from .capture import JitError, capture_grad, capture_inference
 from .cow import storage_key
 
@@ -144,7 +145,7 @@ class Jitted:
         self.max_entries = max_entries
         self.traces = 0  # how many times a program was captured (tests: cache hits vs retraces)
         self._cache: dict = {}
-        self._fast: list = []  # (structure, grad mode, default dtype, TensorGuards, entry)
+        self._fast: list = []  # (structure, grad mode, default dtype, traced options, TensorGuards, entry)
         self._lock = threading.Lock()
         functools.update_wrapper(self, f)
 
@@ -161,10 +162,11 @@ class Jitted:
                                               or context.stack()):
             grad = _grad_enabled()
             dtype = _default_dtype()
+            opts = traced_options()
             n = len(args)
             leaves = None
-            for st, g, dt, guard, entry in self._fast:
-                if g is not grad or dt is not dtype:
+            for st, g, dt, o, guard, entry in self._fast:
+                if g is not grad or dt is not dtype or o != opts:
                     continue
                 if st is n:  # positional tensors only (a list or tuple argument fails the check)
                     if guard.check(*args):
@@ -187,7 +189,7 @@ class Jitted:
             return self.eager(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         seen, storages = {}, {}
-        key = (_grad_enabled(), _default_dtype(), spec,
+        key = (_grad_enabled(), _default_dtype(), traced_options(), spec,
                *[_leaf_key(x, seen.setdefault(id(x), k), storages, k) for k, x in enumerate(leaves)])
         entry = self._cache.get(key)
         tensors = [x for x in leaves if isinstance(x, _Tensor)]
@@ -220,7 +222,7 @@ class Jitted:
             return
         guard = TensorGuards(*shallow, dynamic_dims_sizes=[list(x.shape) for x in shallow],
                              dynamic_dims_strides=[list(x.stride()) for x in shallow])
-        self._fast.append((struct, key[0], key[1], guard, entry))
+        self._fast.append((struct, key[0], key[1], key[2], guard, entry))
 
     def _capture(self, leaves, spec, tensors, dpos):
         """(entry, the first call's result or None) for this key; `tensors`: the program's inputs (a DTensor

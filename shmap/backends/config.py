@@ -46,6 +46,17 @@ def _from_env() -> dict:
 _OPTIONS = {**_from_env(), "poll": 0.25, "exit_grace": 2.0}
 
 
+def traced_options() -> tuple:
+    """The options a captured program bakes in (whether each collective carries its signature, the
+    transport, the bucket sizes): part of `shmap.jit`'s key, so a program replays only under the
+    options it was captured with, and its collectives stay those an eager call makes now.  A capture
+    under checks on, replayed after `configure_distributed(check_collectives=False)`, would still send
+    the signature; then a rank whose call runs eagerly (a capture that failed there) sends a payload
+    of another size at the same collective, which gloo answers by aborting every process."""
+    o = _OPTIONS
+    return (o["check_collectives"], o["transport"], o["bucket_bytes"], o["first_bucket_bytes"])
+
+
 def reload_from_env():
     """Take the options from the environment again: a process that imported shmap before its
     environment was set (`spawn`'s ranks, forked from a server that preloads shmap, then given

@@ -207,11 +207,41 @@ def waits_on_the_calling_thread():
     return bad
 
 
+def options_changed_after_capture():
+    """A program captured with checks on, called after `configure_distributed(check_collectives=False)`,
+    sends what an eager call sends now (no signature in the payload): here rank 1 runs the function
+    eagerly, as a rank whose capture failed would, and meets rank 0's call on the wire (a replay of the
+    checks-on capture would send the signature, a payload of another size: gloo aborts every rank).
+    Back under checks on, the first capture replays again (no third)."""
+    import torch.distributed as dist
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(lambda v: shmap.psum(v * 2, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    x = torch.arange(8192, dtype=torch.float32)
+    want = _value(f(x))
+    bad = []
+    for backend in ("eager", "inductor"):
+        j = shmap.jit(f, backend=backend)
+        j(x)  # the capture, checks on
+        prev = shmap.configure_distributed(check_collectives=False)
+        try:
+            for call in range(2):  # (the second: the checks-off capture's replay, through the fast path)
+                got = j.eager(x) if dist.get_rank() == 1 else j(x)
+                if not torch.equal(_value(got), want):
+                    bad.append(f"options changed, {backend}, call {call}: {got} vs {want}")
+        finally:
+            shmap.configure_distributed(**prev)
+        if not torch.equal(_value(j(x)), want) or j.traces != (1 if dist.get_rank() == 1 else 2):
+            bad.append(f"options changed, {backend}: back under checks on, {j.traces} captures")
+    return bad
+
+
 def run_cases():
     import traceback
 
     bad = []
-    for case in (collectives, dtensor_gradients, training_step, pmap_call, waits_on_the_calling_thread):
+    for case in (collectives, dtensor_gradients, training_step, pmap_call, waits_on_the_calling_thread,
+                 options_changed_after_capture):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
