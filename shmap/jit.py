@@ -39,8 +39,11 @@ tens to hundreds of microseconds, more than a tiny program's whole compute.
 the argument pytree's structure; every tensor's shape, strides, dtype, device
 and requires_grad; every non-tensor leaf, by type and value (non-tensor
 arguments are static, as `static_argnums` in JAX: a new value retraces; they
-must be hashable); which arguments are the same tensor; grad mode and the
-default dtype.  A changed key traces again (`traces` counts them); up to
+must be hashable); which arguments are the same tensor; grad mode, the
+default dtype, and the distributed options a trace bakes in
+(`configure_distributed`'s checks, transport and bucket sizes: a replay sends
+what an eager call would send now, so a rank running `f` eagerly still meets
+the others on the wire).  A changed key traces again (`traces` counts them); up to
 `max_entries` entries are kept per function.  The common call (positional
 plain tensors, or lists / tuples of them) is checked by one C++
 `TensorGuards.check` per entry (Dynamo's tensor check: type, dispatch keys,
