@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/bench_train.py            # default model (Config(): 4 layers, d=128, ...)
     .venv/bin/python bench/bench_train.py --small    # a quick run on a smaller model
+    python bench/bench_train.py --device cuda --large --worlds ""   # part 1 on a GPU
 
 Part 1, simulated (one process, 8 simulated devices): `Run.step` (loss, grad,
 clip, Adam) on `fsdp=2,tensor=4` vs `--mesh none` (the same functions without
@@ -56,11 +57,14 @@ from shmap.train.config import Config, validate  # noqa: E402
 from shmap.train.loop import Run, _value, keep_freed_memory  # noqa: E402
 
 SMALL = dict(layers=2, embed_dim=64, heads=4, mlp_dim=256, seq_len=64, batch_size=16)
+#: for an accelerator (--device cuda): the default model is too small to keep a GPU busy
+LARGE = dict(layers=8, embed_dim=512, heads=8, mlp_dim=2048, seq_len=256, batch_size=32)
+SIZES = {"small": SMALL, "default": {}, "large": LARGE}
 QUIET = dict(out=None, progress=False, sample_len=0, eval_batches=1)
 
 
-def make_cfg(small: bool, mesh) -> Config:
-    return validate(Config(mesh=mesh, **QUIET, **(SMALL if small else {})))
+def make_cfg(size: str, mesh, device: str = "cpu") -> Config:
+    return validate(Config(mesh=mesh, device=device, **QUIET, **SIZES[size]))
 
 
 # --------------------------------------------------------------------------
@@ -81,13 +85,16 @@ def model_flops(cfg: Config) -> tuple[float, int]:
     return 6.0 * n_matmul * tokens + 12.0 * L * cfg.batch_size * cfg.seq_len ** 2 * d, n_matmul
 
 
-def matmul_gflops(n=1024, reps=3) -> float:
-    """GFLOP/s of an n x n float32 matmul (best of `reps`) with the current thread count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n=1024, reps=3, device="cpu") -> float:
+    """GFLOP/s of an n x n float32 matmul (best of `reps`) with the current thread count (or on `device`)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
 
@@ -113,7 +120,7 @@ SIM_MESHES = [("none", None), ("fsdp=2,tensor=4", {"fsdp": 2, "tensor": 4}), ("d
 def simulated(args):
     states = {}
     for name, mesh in SIM_MESHES:
-        run = Run(make_cfg(args.small, mesh))
+        run = Run(make_cfg(args.size, mesh, args.device))
         params, opt = run.fresh_state()
         states[name] = [run, params, opt]
     names = list(states)
@@ -134,7 +141,7 @@ def simulated(args):
             if r >= args.warmup:
                 times[n].append(dt)
         if r >= args.warmup:
-            peaks.append(matmul_gflops())
+            peaks.append(matmul_gflops(device=args.device))
     return times, losses, peaks
 
 
@@ -207,7 +214,7 @@ def _baseline(cfg: Config, kind: str, compile_: bool = False):
     return step, state_bytes
 
 
-def _variants(cfg_small: bool, world: int, which, compile_: bool = False):
+def _variants(size: str, world: int, which, compile_: bool = False):
     """name -> (step(k) -> loss value, state_bytes()) on this rank (`compile_`: every variant's loss compiled)."""
     import torch.distributed as dist
 
@@ -216,7 +223,7 @@ def _variants(cfg_small: bool, world: int, which, compile_: bool = False):
     for name in which:
         if name.startswith("shmap"):
             mesh = {"data": world} if name == "shmap data" else {"fsdp": world}
-            run = Run(dataclasses.replace(make_cfg(cfg_small, mesh), compile=compile_))
+            run = Run(dataclasses.replace(make_cfg(size, mesh), compile=compile_))
             data_run = data_run or run
             params, opt = run.fresh_state()
             st = {"p": params, "o": opt}
@@ -227,7 +234,7 @@ def _variants(cfg_small: bool, world: int, which, compile_: bool = False):
 
             out[name] = (step, lambda st=st: local_bytes(st["p"]) + local_bytes(st["o"]))
         else:
-            cfg = make_cfg(cfg_small, {"data": world})  # batch and schedule as data=N
+            cfg = make_cfg(size, {"data": world})  # batch and schedule as data=N
             data_run = data_run or Run(cfg)
             base, sb = _baseline(cfg, "ddp" if name == "DDP" else "fsdp2", compile_)
             rank = dist.get_rank()
@@ -248,7 +255,7 @@ def _allocator():
         keep_freed_memory()
 
 
-def gloo_worker(small, warmup, repeats, threads, names, compile_=False):
+def gloo_worker(size, warmup, repeats, threads, names, compile_=False):
     import warnings
 
     import torch.distributed as dist
@@ -257,7 +264,7 @@ def gloo_worker(small, warmup, repeats, threads, names, compile_=False):
     torch.set_num_threads(threads)
     _allocator()
     world = dist.get_world_size()
-    variants = _variants(small, world, names, compile_)
+    variants = _variants(size, world, names, compile_)
     times = {n: [] for n in names}
     cpu = {n: [] for n in names}
     losses = {n: [] for n in names}
@@ -303,7 +310,7 @@ def count_collectives(step, k):
     return kinds, ms
 
 
-def mem_worker(small, threads, name):
+def mem_worker(size, threads, name):
     """A fresh process: peak RSS growth over building one variant and running two steps."""
     import warnings
 
@@ -312,10 +319,10 @@ def mem_worker(small, threads, name):
     _allocator()
     import torch.distributed as dist
 
-    Run(make_cfg(small, {"data": dist.get_world_size()}))  # corpus and imports: not the variant's
+    Run(make_cfg(size, {"data": dist.get_world_size()}))  # corpus and imports: not the variant's
     gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    v = _variants(small, dist.get_world_size(), [name])[name]
+    v = _variants(size, dist.get_world_size(), [name])[name]
     for k in range(2):
         v[0](k)
     return {"rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "state_bytes": v[1]()}
@@ -325,6 +332,7 @@ def mem_worker(small, threads, name):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help=f"a smaller model for a quick run: {SMALL}")
+    ap.add_argument("--large", action="store_true", help=f"a larger model (for --device cuda): {LARGE}")
     ap.add_argument("--repeats", type=int, default=8, help="timed steps per variant (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     ap.add_argument("--worlds", default="2,4", help="gloo world sizes (default 2,4; '' skips part 2)")
@@ -334,12 +342,16 @@ def main():
                     help="shmap's per-collective signature checks off on gloo (SHMAP_CHECK_COLLECTIVES=0; default on)")
     ap.add_argument("--no-memory", action="store_true", help="skip part 3's fresh-process RSS runs")
     ap.add_argument("--skip-sim", action="store_true", help="skip part 1")
+    ap.add_argument("--device", default="cpu",
+                    help="part 1 on this torch device (shmap-train --device; e.g. cuda: the simulated mesh on one GPU, "
+                         "and the matmul peak measured there); parts 2-4 stay gloo on the CPU")
     ap.add_argument("--compile", action="store_true",
                     help="part 2 with every variant's loss and update compiled (shmap-train --compile; torch.compile "
                          "of the DDP / FSDP2 module and its optimizer step); the warm-up steps absorb the compilation")
     ap.add_argument("--glibc-default", action="store_true",
                     help="leave glibc's malloc trimming as it is (default: keep freed memory, as shmap-train does)")
     args = ap.parse_args()
+    args.size = "small" if args.small else "large" if args.large else "default"
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ["BENCH_KEEP_FREED"] = "0" if args.glibc_default else "1"
@@ -347,7 +359,7 @@ def main():
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
     env = {"OMP_NUM_THREADS": args.threads, "SHMAP_CHECK_COLLECTIVES": 0 if args.no_checks else 1,
            "BENCH_KEEP_FREED": os.environ["BENCH_KEEP_FREED"]}
-    cfg = make_cfg(args.small, None)
+    cfg = make_cfg(args.size, None)
     flops, n_mm = model_flops(cfg)
     n_all = model.count_params(model.init_params(cfg))
     tokens = cfg.batch_size * cfg.seq_len
@@ -368,7 +380,7 @@ def main():
         times, losses, peaks = simulated(args)
         peak = statistics.median(peaks)
         base = times["none"]
-        print("Part 1: simulated mesh (one process), Run.step = loss + grad + clip + Adam")
+        print(f"Part 1: simulated mesh (one process, --device {args.device}), Run.step = loss + grad + clip + Adam")
         head = (f"  {'mesh':<16} {'ms/step':>9} {'tokens/s':>9} {'/ none':>7} {'GFLOP/s':>8} {'MFU':>6} "
                 f"{'loss@last':>10}")
         print(head)
@@ -379,7 +391,8 @@ def main():
             print(f"  {n:<16} {t * 1e3:9.0f} {tokens / t:9.0f} {ratio:6.2f}x {flops / t / 1e9:8.2f} "
                   f"{flops / t / 1e9 / peak:6.1%} {losses[n][-1]:10.6f}")
         dev = max(abs(losses[n][i] - losses["none"][i]) for n in losses for i in range(len(losses[n])))
-        print(f"  matmul peak (1024x1024 float32, {args.threads} thread(s), median of {len(peaks)} rounds "
+        where = args.device if args.device != "cpu" else f"{args.threads} thread(s)"
+        print(f"  matmul peak (1024x1024 float32, {where}, median of {len(peaks)} rounds "
               f"interleaved with the steps): {peak:.1f} GFLOP/s")
         print(f"  every mesh's losses equal --mesh none's to {dev:.1e} over all {len(losses['none'])} steps")
         r = _median_ratio(times["fsdp=2,tensor=4"], base)
@@ -408,7 +421,7 @@ def main():
         print("  " + "-" * (len(head) - 2))
         results = {}
         for w in worlds:
-            res = shmap.spawn(gloo_worker, args.small, args.warmup, args.repeats, args.threads, names, args.compile,
+            res = shmap.spawn(gloo_worker, args.size, args.warmup, args.repeats, args.threads, names, args.compile,
                               nprocs=w, timeout=600, env=env)
             results[w] = res
             tm = res[0]["times"]
@@ -446,7 +459,7 @@ def main():
             print("  Peak RSS growth in a fresh process per variant (build + 2 steps; ru_maxrss, MiB per rank):")
             for w in worlds:
                 for n in ("shmap data", "shmap fsdp"):
-                    r = shmap.spawn(mem_worker, args.small, args.threads, n, nprocs=w, timeout=600,
+                    r = shmap.spawn(mem_worker, args.size, args.threads, n, nprocs=w, timeout=600,
                                     env=env)
                     print(f"  {w:>2} {n:<11} RSS +{[round(x['rss_kb'] / 1024, 1) for x in r]} MiB, "
                           f"params+opt {[x['state_bytes'] for x in r]} bytes")

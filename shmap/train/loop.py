@@ -46,7 +46,8 @@ class Run:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.layout = model.Layout(cfg.mesh)
-        self.mesh = None if cfg.mesh is None else self.layout.make_mesh()
+        self.device = torch.device(cfg.device)
+        self.mesh = None if cfg.mesh is None else self.layout.make_mesh(None if cfg.device == "cpu" else cfg.device)
         self.distributed = self.mesh is not None and self.mesh.is_distributed
         self.specs = model.param_specs(cfg, self.layout)
         self.batch_spec = model.batch_spec(self.layout)
@@ -74,7 +75,7 @@ class Run:
     def _place(self, tree, specs):
         """Global tensors -> this mesh's layout (DTensors holding this rank's blocks under torchrun)."""
         if self.mesh is None:
-            return tree
+            return optree.tree_map(lambda x: x.to(self.device), tree)
         return optree.tree_map(lambda x, s: shmap.device_put(x, self.mesh, s), tree, specs)
 
     def fresh_state(self):
@@ -120,7 +121,7 @@ class Run:
     def _place_batch(self, rows):
         """This process's token rows -> the global batch the loss shard_map takes."""
         if not self.distributed:
-            return rows
+            return rows.to(self.device)
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         placements = [Shard(0) if a in self.layout.batch else Replicate() for a in self.mesh.axis_names]
@@ -142,7 +143,7 @@ class Run:
         grads = optree.tree_unflatten(treedef, list(torch.autograd.grad(loss, leaves)))
         scalars = optim.adam_scalars(self.cfg, step + 1, optim.learning_rate(self.cfg, step))
         if self.cfg.compile:  # graph inputs, not constants: one compiled update serves every step
-            scalars = [torch.tensor(s, dtype=torch.float64) for s in scalars]
+            scalars = [torch.tensor(s, dtype=torch.float64, device=self.device) for s in scalars]
         with torch.no_grad():
             params, opt, norm = self.update(params, grads, opt, *scalars)
         return params, opt, {"train_loss": loss.detach(), "grad_norm": norm}
@@ -157,7 +158,11 @@ class Run:
 
 
 def sample(cfg: Config, params, prompt: str, length: int, *, temperature=0.8, top_k=20, seed=0) -> str:
-    """Continue `prompt` by `length` bytes with the plain (one-device) model on whole parameters."""
+    """Continue `prompt` by `length` bytes with the plain (one-device) model on whole parameters.
+
+    On the CPU whatever `--device` trained them: the same bytes from the same weights everywhere (the
+    generator is a CPU one), and a few hundred one-row steps gain nothing on an accelerator."""
+    params = optree.tree_map(lambda t: t.detach().cpu(), params)
     layout = model.Layout(None)
     specs = model.param_specs(cfg, layout)
     tokens = data_mod.encode(prompt) if prompt else torch.tensor([ord("\n")])
@@ -306,6 +311,10 @@ def _init_distributed(cfg: Config):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return
+    if cfg.device != "cpu":
+        raise ConfigError(f"--device {cfg.device}: under torchrun the {world} processes run gloo on the CPU; "
+                          "--device places a simulated mesh (or --mesh none) on one accelerator. Fix: drop "
+                          "--device, or run without torchrun.")
     if cfg.mesh is None:
         raise ConfigError(f"--mesh none runs on one process, but torchrun started {world}. Fix: --mesh with "
                           f"{world} devices, e.g. --mesh data={world}, or run without torchrun.")

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import shmap
 from shmap import P
 
-from .config import AXES, Config
+from .config import Config
 
 
 class Layout:
@@ -43,11 +43,12 @@ class Layout:
         self.fsdp = tuple(a for a in ("fsdp",) if a in sizes)           # weights are sharded over these
         self.tensor = tuple(a for a in ("tensor",) if a in sizes)       # heads / hidden units split over these
 
-    def make_mesh(self):
-        """The shmap mesh (simulated, or over the torch.distributed world when one is initialised)."""
+    def make_mesh(self, device=None):
+        """The shmap mesh (simulated, or over the torch.distributed world when one is initialised); a
+        simulated mesh keeps its values on `device` (None: where they come from, the CPU here)."""
         if not self.sizes:  # every axis of size 1: one device
-            return shmap.make_mesh((1,), ("data",))
-        return shmap.make_mesh(tuple(self.sizes.values()), tuple(self.sizes))
+            return shmap.make_mesh((1,), ("data",), device=device)
+        return shmap.make_mesh(tuple(self.sizes.values()), tuple(self.sizes), device=device)
 
     def spec(self, *dims) -> P:
         """A PartitionSpec keeping only axes present in this mesh: spec('fsdp', 'tensor')."""

@@ -2,6 +2,7 @@
 import re
 
 import pytest
+import torch
 
 from shmap.train import config
 from shmap.train.config import ConfigError, parse_args, parse_mesh
@@ -95,3 +96,26 @@ def test_only_rank_0_prints_a_bad_command_line_under_torchrun(capsys, monkeypatc
         parse_args(["--mesh", "pipeline=2"])
     assert "unknown axis 'pipeline'" in capsys.readouterr().err
     assert tiny("none", lr=1e39, dtype="float64").lr == 1e39  # (float64 parameters hold that step)
+
+
+@pytest.mark.parametrize("device, words", [
+    ("gpu0", "--device gpu0: not a torch device this machine can use (Invalid device string: 'gpu0')"),
+    ("meta", "--device meta: not a torch device this machine can use (the meta device holds no values)"),
+] + ([] if torch.cuda.is_available() else [
+    ("cuda", "--device cuda: not a torch device this machine can use (Torch not compiled with CUDA enabled)")]))
+def test_a_device_this_machine_lacks_is_refused_naming_the_flag(device, words):
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        tiny("fsdp=2,tensor=4", device=device)
+    assert "Fix: --device cpu" in str(e.value)
+    assert parse_args(TINY_FLAGS + ["--device", "cpu"]).device == "cpu" == config.Config().device
+
+
+def test_device_is_refused_under_torchrun(monkeypatch):
+    """--device places a simulated mesh on one accelerator; torchrun's processes are gloo CPU ones."""
+    from shmap.train.loop import _init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = tiny("data=2").replace(device="cuda")  # (validated without a GPU: the world check comes first)
+    with pytest.raises(ConfigError, match=re.escape("--device cuda: under torchrun the 2 processes run gloo on the "
+                                                    "CPU")):
+        _init_distributed(cfg)
