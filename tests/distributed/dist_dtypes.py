@@ -236,7 +236,8 @@ def quick_and_general_collectives():
     float32/64 and int32/64, any shape, layout, axis and tiling, varying or invariant operands) gives what
     the general path gives, which it is checked against call by call (the general path forced by turning
     the short ways off): the same bits, dtype, shape and type, the same comm_log and the same collective
-    count; the simulated mesh's values too; with checks on (default) and off.  Cases it must leave to
+    count; the simulated mesh's values too; with checks on (default) and off.  The two ways send the same
+    bytes: with rank 0 alone taking the short way, every rank gets the same result.  Cases it must leave to
     the general path (bool, bfloat16, an axis tuple, strict mode, a payload too big to seal) are not
     taken.  -> [differences]"""
     from shmap.backends import distributed, quick
@@ -300,8 +301,8 @@ def quick_and_general_collectives():
         def typed(out, way):
             types[way] = (shmap.vma(out), out.dtype, tuple(out.shape))  # (the per-device type)
             return out
-        for way in ("quick", "general", "simulated"):
-            short = way == "quick"
+        for way in ("quick", "general", "simulated", "mixed"):  # mixed: rank 0 the short way, the others not
+            short = way == "quick" or (way == "mixed" and torch.distributed.get_rank() == 0)
             distributed.Distributed.quick_psum = counting("quick_psum") if short else general
             distributed.Distributed.quick_all_gather = counting("quick_all_gather") if short else general
             del taken[:]
@@ -324,6 +325,7 @@ def quick_and_general_collectives():
         shmap.configure_distributed(**prev)
         bad += _compare(f"{name} (short way vs general)", results[1], results[0])
         bad += _compare(f"{name} (short way vs simulated)", results[2], results[0])
+        bad += _compare(f"{name} (rank 0 the short way, the others the general one)", results[3], results[0])
     return bad
 
 
