@@ -69,6 +69,15 @@ dtype, device, requires_grad, sizes, strides), without building the key.
   cannot differentiate an output whose graph `f` already consumed with
   `torch.autograd.grad`) runs `f` eagerly, for that key from then on, with
   a warning naming the cause; if `f` fails eagerly too, that error is raised.
+  A capture that fails after the call communicated (AOT autograd's first
+  call runs the program; a peer's failure, say) raises instead: running `f`
+  again would repeat collectives the other ranks have passed.  A capture
+  that fails on one rank only leaves that rank running `f` eagerly beside
+  the others' replays: with the default checks its collectives meet theirs
+  on the wire (tested on 2 processes), except a ppermute (point-to-point
+  sends eagerly, an all_to_all in a graph); with checks off under Inductor,
+  and on 4 processes with a bucketed gradient psum, they were seen not to.
+  Then the guard names the mismatch or the stall (an error, or the timeout).
 - On the distributed mesh (one process per device) a body's collectives are
   traced as `torch.compile` traces them (`backends/traced.py`: torch's
   functional collectives between the guard's ops), so every replay counts,
@@ -267,6 +276,7 @@ class Jitted:
 
         grad = _grad_enabled() and any(t.requires_grad for t in tensors)
         first = None
+        sent = _collectives_so_far()
         try:
             with _trace_errors(name):
                 if grad:
@@ -279,6 +289,11 @@ class Jitted:
         except (JitError, NotImplementedError):
             raise
         except Exception as e:
+            if _collectives_so_far() != sent:
+                # The program ran (AOT autograd's first call runs what it compiled) and failed partway,
+                # a peer's failure say: running `f` again would repeat collectives the other ranks have
+                # passed.  The error is the call's.
+                raise
             # The rule for what cannot be captured: this key runs `f` itself (eager semantics).  If
             # `f` fails eagerly too, that (clearer) error is the caller's.
             first = flat_fn(*tensors)
@@ -293,6 +308,14 @@ class Jitted:
         if first is not None:
             first = _finish(lambda ts: first, out_info)(tensors)
         return entry, first
+
+
+def _collectives_so_far():
+    """The distributed guard's collective count (None without a world): whether a call communicated."""
+    from .backends import watchdog
+
+    w = watchdog._WATCH
+    return None if w is None else w.counter
 
 
 def _shallow(args):

@@ -104,8 +104,24 @@ def _begin(like, spec):
     return _chained(torch.ops.shmap.coll_begin(like, _after(like), spec))
 
 
+def _depend(x, on):
+    """`x`, computed so that the graph sees it depend on `on` (possibly empty): x + (-0.0 * ...), exact.
+
+    A dependency through an empty tensor (`torch.cat([x, on])` with `on` empty) is simplified away
+    before AOT autograd partitions the joint graph, and then a collective that should wait for its
+    `coll_begin` (or a result that should wait for its collective) floats free: the partitioner
+    moved a backward collective whose data did not depend on the tangents into the forward graph,
+    on the ranks where that was so only (a partial permutation makes ranks' graphs differ), and the
+    ranks met different collectives (a gloo abort; found with checks off, where the trailer is
+    empty).  Adding `on`'s sum negated, -0.0 for a float (0 for an integer), leaves every bit of
+    `x` as it is, a -0.0 included."""
+    return x + on.sum().to(x.dtype).neg()
+
+
 def _moved(launch, buf, sent, spec):
     """Launch a functional collective on `buf`; the watched wait and check; its (complete) output."""
+    if sent.numel() == 0:  # no trailer: the payload must still come after `coll_begin` (see `_depend`)
+        buf = _depend(buf, sent)
     out = launch(buf)
     _chained(torch.ops.shmap.coll_wait(out, sent, spec))
     return _c10d().wait_tensor(out)
@@ -306,7 +322,13 @@ def ppermute(x, g: Group, perm):
     if recv:
         data = got[:flat.numel()]
         return (data.view(x.dtype) if sealed else data).view(x.shape)
-    return x.clone() if own else torch.zeros_like(x)  # a device with no source gets zeros
+    # A device with no source gets zeros (its own block, if it keeps it), made from the collective's
+    # (empty) output: a graph that did not consume it would let what follows on this rank float free
+    # of the collective, and AOT autograd's partitioner then moved a backward collective fed by these
+    # zeros into the forward graph on this rank only (ranks' graphs differ where a permutation is
+    # partial), so the ranks met different collectives (a gloo abort; found with checks off).
+    keep = x.reshape(-1) if own else torch.zeros_like(x).reshape(-1)
+    return _depend(keep, got).view(x.shape)
 
 
 def all_to_all(x, g: Group, split_axis, concat_axis, tiled):

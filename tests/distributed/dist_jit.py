@@ -236,12 +236,107 @@ def options_changed_after_capture():
     return bad
 
 
+def _moved_collectives(x, y, h, k):
+    """`dist_compile._collectives` without its ppermutes (see `one_rank_eager`)."""
+    a = shmap.all_gather_invariant(x, "i", tiled=True)
+    b = shmap.psum_scatter(a * y.sum(), "i", scatter_dimension=0, tiled=True)
+    d = shmap.all_to_all(b * shmap.axis_index("i"), "i", 1, 0, tiled=True)
+    e = shmap.all_gather(d, "i", axis=1, tiled=False)
+    hs = shmap.psum(h, "i")
+    ks = shmap.psum(k * 1000, "i")
+    loss = shmap.pmean(torch.sin(d).sum() + (e * e).sum() + hs.double().sum(), "i")
+    return loss, shmap.pmax(x, "i") - shmap.pmin(x, "i"), ks
+
+
+def one_rank_eager():
+    """A call jit could not capture runs `f` eagerly on that rank (jit's rule, for a failure before the
+    call communicated), and a capture can fail on one rank only: then that rank's eager collectives
+    meet the others' replays, so they must be the same on the wire.  Rank 1 runs `f` eagerly, the
+    others the jitted program (the capture, then a replay), with the default checks, both backends,
+    on 2 processes: every collective but ppermute, forward and backward.  Not the same on the wire,
+    so not here (shmap/jit.py's docstring says so): a ppermute (point-to-point sends eagerly, an
+    all_to_all in a graph), Inductor's program with checks off (a psum's payload differed), and on 4
+    processes a step with a bucketed gradient psum (the ranks' collective counts differed; not yet
+    explained).  -> [differences]"""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mesh = shmap.make_mesh((2,), ("i",))
+    g = torch.Generator().manual_seed(0)
+    f = shmap.shard_map(_moved_collectives, mesh=mesh, in_specs=(P("i"),) * 4, out_specs=(P(), P(), P()))
+    args = [torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64),
+            torch.randn(6, generator=g).to(torch.bfloat16), torch.full((4,), 2 ** 30, dtype=torch.int32)]
+    bad = []
+    want = _run_whole(f, args)
+    for backend in ("eager", "inductor"):
+        j = shmap.jit(f, backend=backend)
+        for call in range(2):  # the capture, then a replay
+            got = _run_whole(j.eager if rank == 1 else j, args)
+            bad += _same(f"rank 1 eager, the others jit {backend}, call {call}", got, want, exact=backend == "eager")
+    return bad
+
+
+def checks_off_partial_permutation():
+    """With checks off, `_collectives` (a ppermute that only rank 0 sends in, so the ranks' graphs
+    differ) jitted by Inductor and compiled equals eager.  Its backward's psum_scatter is fed, on rank
+    1 only, by zeros that depend on no tangent; with no signature trailer nothing tied that collective
+    to its place, and AOT autograd's partitioner moved it into rank 1's forward graph: the ranks met
+    different collectives and gloo aborted both (`traced._depend`).  -> [differences]"""
+    from dist_compile import _collectives
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    f = shmap.shard_map(_collectives, mesh=mesh, in_specs=(P("i"),) * 4, out_specs=(P(), P(), P()))
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64),
+            torch.randn(6, generator=g).to(torch.bfloat16), torch.full((4,), 2 ** 30, dtype=torch.int32)]
+    prev = shmap.configure_distributed(check_collectives=False)
+    bad = []
+    try:
+        want = _run_whole(f, args)
+        for name, fn in (("jit inductor", shmap.jit(f)), ("torch.compile", torch.compile(f))):
+            for call in range(2):
+                bad += _same(f"checks off, {name}, call {call}", _run_whole(fn, args), want, exact=False)
+    finally:
+        shmap.configure_distributed(**prev)
+    return bad
+
+
+def peer_fails_during_capture():
+    """Rank 1 fails before the jitted call; rank 0's capture (AOT autograd's first call runs the program)
+    fails in its collective.  Rank 0 must raise that failure, not run `f` again eagerly as for a call
+    that could not be captured (which would repeat collectives the others have passed): it returns
+    (the error's type, whether jit warned of a fallback, how many times f's body ran eagerly)."""
+    import torch.distributed as dist
+
+    from shmap.backends.traced import tracing
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    ran = []
+
+    def body(v):
+        if not tracing():  # (the capture runs it on traced tensors)
+            ran.append(1)
+        return shmap.psum(v * 2, "i")
+    j = shmap.jit(shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails before the call")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            j(torch.ones(4, requires_grad=True))
+            error = None
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            error = type(e).__name__
+    return error, any("could not capture" in str(w.message) for w in caught), len(ran)
+
+
 def run_cases():
     import traceback
 
     bad = []
     for case in (collectives, dtensor_gradients, training_step, pmap_call, waits_on_the_calling_thread,
-                 options_changed_after_capture):
+                 options_changed_after_capture, one_rank_eager, checks_off_partial_permutation):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

@@ -33,6 +33,14 @@ def test_jitted_collectives_dtensor_gradients_and_a_training_step_equal_eager():
     assert results[1] == [], "\n\n".join(results[1])
 
 
+def test_a_capture_that_failed_after_communicating_raises_instead_of_running_eagerly():
+    with pytest.raises(shmap.SpawnError) as e:
+        shmap.spawn(dist_jit.peer_fails_during_capture, nprocs=2, timeout=60)
+    assert "rank 1 fails before the call" in str(e.value)
+    error, warned, runs = e.value.results[0]
+    assert error == "RankFailedError" and not warned and runs == 0, (error, warned, runs)
+
+
 def test_a_rank_that_never_arrives_at_a_replayed_collective_is_named():
     dist_compile.expect_stalled_rank_named(dist_jit.hang)
 
