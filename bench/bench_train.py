@@ -406,7 +406,7 @@ def main():
         print("Part 2: gloo processes (shmap.spawn, localhost); global batch split over the ranks; a step is "
               "barrier .. step .. barrier")
         print(f"  DDP: DistributedDataParallel; FSDP2: fully_shard at the root (one unit); both torch.optim.Adam "
-              f"(foreach default) + clip_grad_norm_({cfg.clip}).")
+              f"(torch's default implementation, on CPU tensors its per-tensor loop) + clip_grad_norm_({cfg.clip}).")
         print(f"  shmap's collective signature checks: {'off' if args.no_checks else 'on (the default)'}.")
         if args.compile:
             print("  --compile: every variant's loss (forward and backward) and update (clipping, Adam) torch.compile'd "
