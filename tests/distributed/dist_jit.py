@@ -255,9 +255,9 @@ def one_rank_eager():
     others the jitted program (the capture, then a replay), with the default checks, both backends,
     on 2 processes: every collective but ppermute, forward and backward.  Not the same on the wire,
     so not here (shmap/jit.py's docstring says so): a ppermute (point-to-point sends eagerly, an
-    all_to_all in a graph), Inductor's program with checks off (a psum's payload differed), and on 4
-    processes a step with a bucketed gradient psum (the ranks' collective counts differed; not yet
-    explained).  -> [differences]"""
+    all_to_all in a graph), Inductor's program with checks off (a psum's payload differed), and 4
+    processes (the replaying ranks reported a mismatch at a small psum whose payloads were the same;
+    not yet explained).  -> [differences]"""
     import torch.distributed as dist
 
     rank = dist.get_rank()
