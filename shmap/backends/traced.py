@@ -114,7 +114,9 @@ def _depend(x, on):
     on the ranks where that was so only (a partial permutation makes ranks' graphs differ), and the
     ranks met different collectives (a gloo abort; found with checks off, where the trailer is
     empty).  Adding `on`'s sum negated, -0.0 for a float (0 for an integer), leaves every bit of
-    `x` as it is, a -0.0 included."""
+    `x` as it is, a -0.0 included (a bool `x`: or-ed with `on.any()`, False)."""
+    if x.dtype == torch.bool:
+        return x | on.any()
     return x + on.sum().to(x.dtype).neg()
 
 

@@ -301,6 +301,32 @@ def checks_off_partial_permutation():
     return bad
 
 
+def partial_permutation_dtypes():
+    """A ppermute that only rank 0 sends in, and an all_to_all, of bool, int8, float32 and complex64,
+    checks on and off, jitted and compiled: equal to eager, dtype included (the zeros of the rank that
+    receives nothing are tied to the collective by `traced._depend`, which a bool takes by an or).
+    -> [differences]"""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(v):
+        return shmap.ppermute(v, "i", [(0, 1)]), shmap.all_to_all(v, "i", 0, 0, tiled=True)
+    f = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P("i")))
+    bad = []
+    for checks in (True, False):
+        prev = shmap.configure_distributed(check_collectives=checks)
+        try:
+            for dt in (torch.bool, torch.int8, torch.float32, torch.complex64):
+                x = (torch.arange(8) % 3 == 0) if dt == torch.bool else (torch.arange(8) - 3).to(dt)
+                want = [_value(t) for t in f(x)]
+                for name, fn in (("jit", shmap.jit(f)), ("torch.compile", torch.compile(f))):
+                    got = [_value(t) for t in fn(x)]
+                    if not all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want)):
+                        bad.append(f"partial ppermute / all_to_all of {dt}, checks {checks}, {name}: {got} vs {want}")
+        finally:
+            shmap.configure_distributed(**prev)
+    return bad
+
+
 def peer_fails_during_capture():
     """Rank 1 fails before the jitted call; rank 0's capture (AOT autograd's first call runs the program)
     fails in its collective.  Rank 0 must raise that failure, not run `f` again eagerly as for a call
@@ -336,7 +362,8 @@ def run_cases():
 
     bad = []
     for case in (collectives, dtensor_gradients, training_step, pmap_call, waits_on_the_calling_thread,
-                 options_changed_after_capture, one_rank_eager, checks_off_partial_permutation):
+                 options_changed_after_capture, one_rank_eager, checks_off_partial_permutation,
+                 partial_permutation_dtypes):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
