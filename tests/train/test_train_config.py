@@ -102,7 +102,7 @@ def test_only_rank_0_prints_a_bad_command_line_under_torchrun(capsys, monkeypatc
     ("gpu0", "--device gpu0: not a torch device this machine can use (Invalid device string: 'gpu0')"),
     ("meta", "--device meta: not a torch device this machine can use (the meta device holds no values)"),
 ] + ([] if torch.cuda.is_available() else [
-    ("cuda", "--device cuda: not a torch device this machine can use (Torch not compiled with CUDA enabled)")]))
+    ("cuda", "--device cuda: not a torch device this machine can use (")]))  # (torch's reason varies by build)
 def test_a_device_this_machine_lacks_is_refused_naming_the_flag(device, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:
         tiny("fsdp=2,tensor=4", device=device)
@@ -115,7 +115,7 @@ def test_device_is_refused_under_torchrun(monkeypatch):
     from shmap.train.loop import _init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = tiny("data=2").replace(device="cuda")  # (validated without a GPU: the world check comes first)
+    cfg = tiny("data=2").replace(device="cuda")  # (set past validation: no GPU needed for this check)
     with pytest.raises(ConfigError, match=re.escape("--device cuda: under torchrun the 2 processes run gloo on the "
                                                     "CPU")):
         _init_distributed(cfg)
