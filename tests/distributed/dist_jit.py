@@ -343,7 +343,8 @@ def peer_fails_during_capture():
         if not tracing():  # (the capture runs it on traced tensors)
             ran.append(1)
         return shmap.psum(v * 2, "i")
-    j = shmap.jit(shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()))
+    # (backend "eager": no Inductor compilation, which on a loaded machine could outlast spawn's grace)
+    j = shmap.jit(shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()), backend="eager")
     dist.barrier()
     if dist.get_rank() == 1:
         raise ValueError("rank 1 fails before the call")

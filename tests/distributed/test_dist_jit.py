@@ -35,7 +35,7 @@ def test_jitted_collectives_dtensor_gradients_and_a_training_step_equal_eager():
 
 def test_a_capture_that_failed_after_communicating_raises_instead_of_running_eagerly():
     with pytest.raises(shmap.SpawnError) as e:
-        shmap.spawn(dist_jit.peer_fails_during_capture, nprocs=2, timeout=60)
+        shmap.spawn(dist_jit.peer_fails_during_capture, nprocs=2, timeout=60, grace=120)  # (rank 0 reports)
     assert "rank 1 fails before the call" in str(e.value)
     error, warned, runs = e.value.results[0]
     assert error == "RankFailedError" and not warned and runs == 0, (error, warned, runs)
