@@ -85,10 +85,7 @@ def quick_psum(backend, x: ShTensor, axis_name: str):
     _record("psum", axes, shape, dtype)
     data, seal = reduce_views(buf, shape, expect)
     out = cow.mark_shared(ShTensor(data, (), x._vma - {axis_name}, body), False)
-    w.wait(work, None, g.ranks, gloo=True)
-    if seal is not None:
-        w.unseal(seal, g.ranks)
-    w.done()
+    _wait(w, work, g, seal)
     return out
 
 
@@ -121,9 +118,15 @@ def quick_all_gather(backend, x: ShTensor, axis_name: str, axis, tiled, invarian
     rows = got if expect is None else _unsealed_rows(got, nb, dtype, n)
     rows = rows.view(n, *shape).movedim(0, axis)
     vma = x._vma - {axis_name} if invariant else x._vma | {axis_name}
+    _wait(w, work, g, seal)
+    out = rows.flatten(axis, axis + 1) if tiled else rows  # (after the wait: where rows have gaps it copies)
+    return cow.mark_shared(ShTensor(out, (), frozenset(vma), body), False)
+
+
+def _wait(w, work, g, seal):
+    """The watched wait for `work`, then the signature check (`seal`, None with checks off): as
+    `transports.InFlight.finish` does for the general path."""
     w.wait(work, None, g.ranks, gloo=True)
     if seal is not None:
         w.unseal(seal, g.ranks)
     w.done()
-    out = rows.flatten(axis, axis + 1) if tiled else rows  # (after the wait: where rows have gaps it copies)
-    return cow.mark_shared(ShTensor(out, (), frozenset(vma), body), False)
