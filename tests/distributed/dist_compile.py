@@ -68,13 +68,14 @@ def _same(name, got, want, exact=True):
 # --------------------------------------------------------------------------
 # Every collective, forward and backward
 # --------------------------------------------------------------------------
-def _collectives(x, y, h, k):
+def _collectives(x, y, h, k, ppermute=shmap.ppermute):
+    """(`ppermute`: the identity to leave the ppermutes out, `dist_jit.one_rank_eager`)"""
     a = shmap.all_gather_invariant(x, "i", tiled=True)                        # [8, 4]
     b = shmap.psum_scatter(a * y.sum(), "i", scatter_dimension=0, tiled=True)  # [4, 4]
-    c = shmap.ppermute(b, "i", [(0, 1), (1, 0)]) * shmap.axis_index("i")
+    c = ppermute(b, "i", [(0, 1), (1, 0)]) * shmap.axis_index("i")
     d = shmap.all_to_all(c, "i", 1, 0, tiled=True)                            # [8, 2]
     e = shmap.all_gather(d, "i", axis=1, tiled=False)                         # [8, 2, 2] (varying)
-    f = shmap.ppermute(e, "i", [(0, 1)])                                      # rank 0 gets zeros
+    f = ppermute(e, "i", [(0, 1)])                                            # rank 0 gets zeros
     hs = shmap.psum(h, "i")                                                   # bfloat16: summed in float32
     ks = shmap.psum(k * 1000, "i")                                            # int32: wraps as eagerly
     loss = shmap.pmean(torch.sin(d).sum() + (f * f).sum() + hs.double().sum(), "i")

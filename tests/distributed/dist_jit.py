@@ -236,18 +236,6 @@ def options_changed_after_capture():
     return bad
 
 
-def _moved_collectives(x, y, h, k):
-    """`dist_compile._collectives` without its ppermutes (see `one_rank_eager`)."""
-    a = shmap.all_gather_invariant(x, "i", tiled=True)
-    b = shmap.psum_scatter(a * y.sum(), "i", scatter_dimension=0, tiled=True)
-    d = shmap.all_to_all(b * shmap.axis_index("i"), "i", 1, 0, tiled=True)
-    e = shmap.all_gather(d, "i", axis=1, tiled=False)
-    hs = shmap.psum(h, "i")
-    ks = shmap.psum(k * 1000, "i")
-    loss = shmap.pmean(torch.sin(d).sum() + (e * e).sum() + hs.double().sum(), "i")
-    return loss, shmap.pmax(x, "i") - shmap.pmin(x, "i"), ks
-
-
 def one_rank_eager():
     """A call jit could not capture runs `f` eagerly on that rank (jit's rule, for a failure before the
     call communicated), and a capture can fail on one rank only: then that rank's eager collectives
@@ -258,12 +246,17 @@ def one_rank_eager():
     all_to_all in a graph), Inductor's program with checks off (a psum's payload differed), and 4
     processes (the replaying ranks reported a mismatch at a small psum whose payloads were the same;
     not yet explained).  -> [differences]"""
+    import functools
+
     import torch.distributed as dist
+
+    from dist_compile import _collectives
 
     rank = dist.get_rank()
     mesh = shmap.make_mesh((2,), ("i",))
     g = torch.Generator().manual_seed(0)
-    f = shmap.shard_map(_moved_collectives, mesh=mesh, in_specs=(P("i"),) * 4, out_specs=(P(), P(), P()))
+    body = functools.partial(_collectives, ppermute=lambda v, axis, perm: v)  # (no ppermute: see above)
+    f = shmap.shard_map(body, mesh=mesh, in_specs=(P("i"),) * 4, out_specs=(P(), P(), P()))
     args = [torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64),
             torch.randn(6, generator=g).to(torch.bfloat16), torch.full((4,), 2 ** 30, dtype=torch.int32)]
     bad = []
