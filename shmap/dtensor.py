@@ -45,6 +45,18 @@ def _dtensor_class():
 _DTENSOR: list = []
 
 
+def _output_class():
+    """`dtensor_output.GlobalOutput`, imported once."""
+    if not _OUTPUT:
+        from .dtensor_output import GlobalOutput
+
+        _OUTPUT.append(GlobalOutput)
+    return _OUTPUT[0]
+
+
+_OUTPUT: list = []
+
+
 # --------------------------------------------------------------------------
 # Specs <-> placements
 # --------------------------------------------------------------------------
@@ -269,6 +281,13 @@ def on_spec(block, dspec):
     return new_dtensor(_alias(block), dspec)
 
 
+def _plainly_eager(block) -> bool:
+    """Whether `block` is a real tensor (or a psum still on the wire) outside any capture: no dispatch mode
+    (fake, proxy, functional) and no Dynamo."""
+    return (type(block) in (torch.Tensor, Deferred) and not torch._C._len_torch_dispatch_stack()
+            and not torch.compiler.is_compiling())
+
+
 def _cotangent_spec(dspec):
     """Where an output's cotangent lives: as the output, but replicated along its pending-sum (`Partial`)
     axes, since every term of a sum has the sum's cotangent."""
@@ -308,6 +327,9 @@ class _FromBlock(_Function):
 
     @staticmethod
     def forward(block, dspec):
+        if block.requires_grad and _plainly_eager(block):  # (a capture traces DTensor's own type)
+            cls = _output_class()
+            return cls.__new__(cls, _alias(block), dspec, requires_grad=True)
         return new_dtensor(_alias(block), dspec, block.requires_grad)
 
     @staticmethod

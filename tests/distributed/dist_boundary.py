@@ -146,6 +146,7 @@ def dtensor_boundary():
     bad += _output_cotangents(mesh)
     bad += _one_node_per_weight(mesh)
     bad += _outputs_updated_in_place(mesh)
+    bad += _output_local_values(mesh)
     return bad
 
 
@@ -282,6 +283,62 @@ def _output_cotangents(mesh):
         bad.append(f"the output's own cotangent: gradient {own} != {want}")
     if not torch.allclose(second, -torch.sin(x.detach()) * 3 * ct):
         bad.append("the second derivative through a DTensor output differs from -3 sin(x) * ct")
+    return bad
+
+
+def _output_local_values(mesh):
+    """An output that requires grad is a `GlobalOutput` (a DTensor whose `to_local`, and `full_tensor` when
+    replicated, skip DTensor's spec rebuilding in the backward pass): the values and gradients, to second
+    order, are those of DTensor's own methods called on it, also with `grad_placements` and a
+    non-contiguous cotangent; ops on it return plain DTensors; torch.save keeps it a DTensor; and an
+    output without grad is a plain DTensor."""
+    import io
+
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from shmap.dtensor_output import GlobalOutput
+
+    bad = []
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(8, 2).requires_grad_()
+    bodies = {P(("i", "j")): lambda v: torch.sin(v) * 3,
+              P(): lambda v: shmap.psum(torch.sin(v).T @ v, ("i", "j"))}
+    ways = {"to_local": (lambda o: o.to_local(), lambda o: DTensor.to_local(o)),
+            "full_tensor": (lambda o: o.full_tensor(), lambda o: DTensor.full_tensor(o)),
+            "grad_placements": (lambda o: o.to_local(grad_placements=o.placements),
+                                lambda o: DTensor.to_local(o, grad_placements=o.placements)),
+            "strided cotangent": (lambda o: o.to_local().t(), lambda o: DTensor.to_local(o).t())}
+    for spec, body in bodies.items():
+        f = shmap.shard_map(body, mesh=mesh, in_specs=P(("i", "j")), out_specs=spec)
+        out = f(x)
+        if type(out) is not GlobalOutput or not isinstance(out, DTensor):
+            bad.append(f"out_specs {spec}: an output that requires grad is {type(out).__name__}")
+        for name, (take, take_plain) in ways.items():
+            got, want = take(f(x)), take_plain(f(x))
+            ct = torch.arange(1.0, got.numel() + 1, dtype=torch.float64).reshape(got.shape)
+            g1, = torch.autograd.grad(got, x, ct, create_graph=True)
+            w1, = torch.autograd.grad(want, x, ct, create_graph=True)
+            g2, = torch.autograd.grad(g1.sum(), x)
+            w2, = torch.autograd.grad(w1.sum(), x)
+            if not (torch.equal(got.detach(), want.detach()) and torch.equal(g1.detach(), w1.detach())
+                    and torch.equal(g2, w2)):
+                bad.append(f"out_specs {spec}, {name}: values or gradients differ from DTensor's own method")
+            g0, = torch.autograd.grad(take(f(x)), x, ct)  # (no graph of the backward: the short way)
+            if not torch.equal(g0, w1.detach()):
+                bad.append(f"out_specs {spec}, {name}: a first-order gradient differs from DTensor's")
+    out = f(x)  # (replicated)
+    if type(out * 2) is not DTensor or type(out.detach()) is not DTensor:
+        bad.append(f"ops on a GlobalOutput: {type(out * 2).__name__}, detach {type(out.detach()).__name__}")
+    if tuple(out.placements) != (Replicate(), Replicate()):
+        bad.append(f"placements {out.placements}")
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    if type(back) is not DTensor or not torch.equal(back.to_local(), out.to_local().detach()):
+        bad.append(f"torch.save of a GlobalOutput loads as {type(back).__name__}")
+    with torch.no_grad():
+        if type(f(x)) is not DTensor:
+            bad.append("an output without grad is not a plain DTensor")
     return bad
 
 
