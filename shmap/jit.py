@@ -74,12 +74,13 @@ dtype, device, requires_grad, sizes, strides), without building the key.
   again would repeat collectives the other ranks have passed.  A capture
   that fails on one rank only leaves that rank running `f` eagerly beside
   the others' replays: with the default checks its collectives meet theirs
-  on the wire (tested on 2 processes), except a ppermute (point-to-point
-  sends eagerly, an all_to_all in a graph); with checks off under Inductor
-  they were seen not to (a psum's payload size differed), and on 4
-  processes the replaying ranks reported a mismatch at a small psum whose
-  payloads were the same (not yet explained).  Then the guard names the
-  mismatch or the stall (an error, or the timeout).
+  on the wire (tested on 2 and 4 processes), except a ppermute
+  (point-to-point sends eagerly, an all_to_all in a graph), and the guard
+  names that mismatch or the stall (an error, or the timeout); with checks
+  off under Inductor they were seen not to (a backward psum's payload size
+  differed: gloo aborts, as checks off allows).  Inductor may skip a
+  bfloat16 rounding that eager code performs (its `emulate_precision_casts`
+  is off by default), so such a rank's values can differ by an ulp.
 - On the distributed mesh (one process per device) a body's collectives are
   traced as `torch.compile` traces them (`backends/traced.py`: torch's
   functional collectives between the guard's ops), so every replay counts,

@@ -1,4 +1,4 @@
-"""shmap.jit on 2 gloo processes (dist_jit.py): a captured call equals the eager one.
+"""shmap.jit on 2 (and 4) gloo processes (dist_jit.py): a captured call equals the eager one.
 
 Values and gradients (bit for bit with the eager backend), DTensor arguments
 and their gradients' layouts, the `comm_log` events of the capture and of
@@ -31,6 +31,30 @@ def test_jitted_collectives_dtensor_gradients_and_a_training_step_equal_eager():
     results = shmap.spawn(dist_jit.run_cases, nprocs=2, timeout=300)
     assert results[0] == [], "\n\n".join(results[0])
     assert results[1] == [], "\n\n".join(results[1])
+
+
+def test_a_rank_running_eagerly_beside_replays_on_four_processes():
+    """`dist_jit.one_rank_eager` on 4 processes (run_cases runs it on 2): the small psums are gathered
+    reductions there, eager and in the graph alike."""
+    results = shmap.spawn(_warned(dist_jit.one_rank_eager), nprocs=4, timeout=300)
+    for r, bad in enumerate(results):
+        assert bad == [], f"rank {r}:\n" + "\n\n".join(bad)
+
+
+def _warned(case):
+    """`case` with jit's 'could not capture' warnings as failures (an eager call must not pass as a replay)."""
+    import functools
+
+    return functools.partial(_run_warned, case)
+
+
+def _run_warned(case):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bad = case()
+    return bad + [str(w.message) for w in caught if "could not capture" in str(w.message)]
 
 
 def test_a_capture_that_failed_after_communicating_raises_instead_of_running_eagerly():
