@@ -9,8 +9,10 @@ step); the spec is already known, cached by `dtensor.from_block`.  This subclass
 `to_local` (and `full_tensor` of a replicated output, which needs no
 communication) is a Function whose backward wraps the cotangent on that spec.
 Everything else is DTensor's: ops on it return plain DTensors (DTensor's
-`__torch_dispatch__` unwraps subclasses), and grad_placements, a graph of the
-backward pass (create_graph) or a non-contiguous cotangent take DTensor's path.
+`__torch_dispatch__` unwraps subclasses), and grad_placements, a read without
+grad (DTensor's `full_tensor` then hands back a plain tensor, not a psum still
+on the wire), a graph of the backward pass (create_graph) or a non-contiguous
+cotangent take DTensor's path.
 
 Imported on first use (`dtensor._output_class`): torch may be built without
 distributed.
@@ -34,8 +36,9 @@ class GlobalOutput(DTensor):
         return DTensor.to_local(self, grad_placements=grad_placements)
 
     def full_tensor(self, *, grad_placements=None):
-        if all(type(p) is Replicate for p in self._spec.placements):  # every rank holds it whole already
-            return self.to_local(grad_placements=grad_placements)
+        if (grad_placements is None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and all(type(p) is Replicate for p in self._spec.placements)):  # every rank holds it whole
+            return _LocalOf.apply(self)
         return DTensor.full_tensor(self, grad_placements=grad_placements)
 
     def __reduce_ex__(self, protocol):  # pickled (torch.save) as the DTensor it is

@@ -336,9 +336,13 @@ def _output_local_values(mesh):
     back = torch.load(buf, weights_only=False)
     if type(back) is not DTensor or not torch.equal(back.to_local(), out.to_local().detach()):
         bad.append(f"torch.save of a GlobalOutput loads as {type(back).__name__}")
+    later = f(x)  # read without grad below: DTensor's own way, a plain tensor (not a psum still on the wire)
     with torch.no_grad():
         if type(f(x)) is not DTensor:
             bad.append("an output without grad is not a plain DTensor")
+        whole = later.full_tensor()
+        if type(whole) is not torch.Tensor or not torch.equal(whole, out.to_local().detach()):
+            bad.append(f"full_tensor of a GlobalOutput, read without grad: {type(whole).__name__}")
     return bad
 
 
