@@ -77,10 +77,10 @@ dtype, device, requires_grad, sizes, strides), without building the key.
   on the wire (tested on 2 and 4 processes), except a ppermute
   (point-to-point sends eagerly, an all_to_all in a graph), and the guard
   names that mismatch or the stall (an error, or the timeout); with checks
-  off under Inductor they were seen not to (a backward psum's payload size
-  differed: gloo aborts, as checks off allows).  Inductor may skip a
-  bfloat16 rounding that eager code performs (its `emulate_precision_casts`
-  is off by default), so such a rank's values can differ by an ulp.
+  off too (where Inductor once launched a collective ahead of its turn:
+  `traced._depend`).  Inductor may skip a bfloat16 rounding that eager code
+  performs (its `emulate_precision_casts` is off by default), so such a
+  rank's values can differ by an ulp.
 - On the distributed mesh (one process per device) a body's collectives are
   traced as `torch.compile` traces them (`backends/traced.py`: torch's
   functional collectives between the guard's ops), so every replay counts,

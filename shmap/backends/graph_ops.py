@@ -7,7 +7,9 @@ collective and returns its signature trailer (strict: exchanges it first),
 helper thread) and checks what arrived, `gloo_all_reduce` / `gloo_all_gather`
 launch, wait for (on the calling thread) and check theirs, `body_end`
 counts the end of a body, and `coll_record` reports a `comm_log` event.
-All are ordered effectful ops, with fake kernels for tracing.  A spec (or an
+All are ordered effectful ops, with fake kernels for tracing.  One more,
+pure, `token`, is a zero whose value Inductor cannot know (`traced._depend`
+ties a payload to an empty tensor through it).  A spec (or an
 event) is a string, so a graph means the same in any process that loads it
 from a cache: `_spec` writes one, `_get` reads it back.
 """
@@ -45,6 +47,7 @@ _LIB.define("body_end(Tensor after, str spec) -> Tensor")
 _LIB.define("coll_record(Tensor after, str event) -> Tensor")
 _LIB.define("gloo_all_reduce(Tensor[] parts, str op, str group, str spec) -> Tensor")
 _LIB.define("gloo_all_gather(Tensor[] parts, int n, str group, str spec) -> Tensor")
+_LIB.define("token(Tensor after) -> Tensor")
 
 
 _SPECS: dict = {}
@@ -222,6 +225,9 @@ torch.library.register_fake("shmap::coll_begin", lambda like, after, spec: like.
     _get(spec).tlen, dtype=_get(spec).tdtype), lib=_LIB)
 torch.library.register_fake("shmap::coll_wait", lambda out, sent, spec: out.new_empty(0, dtype=torch.uint8),
                             lib=_LIB)
+# `token`: a float32 zero that Inductor cannot see through, made after `after` (`traced._depend`)
+_LIB.impl("token", lambda after: torch.zeros(1, device=after.device), "CompositeExplicitAutograd")
+torch.library.register_fake("shmap::token", lambda after: after.new_empty(1, dtype=torch.float32), lib=_LIB)
 for _op in ("body_end", "coll_record"):
     torch.library.register_fake(f"shmap::{_op}", lambda after, arg: after.new_empty(0, dtype=torch.uint8), lib=_LIB)
 for _op in ("shmap::coll_begin", "shmap::coll_wait", "shmap::body_end", "shmap::coll_record", "shmap::gloo_all_reduce",

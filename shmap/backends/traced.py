@@ -114,7 +114,15 @@ def _depend(x, on):
     on the ranks where that was so only (a partial permutation makes ranks' graphs differ), and the
     ranks met different collectives (a gloo abort; found with checks off, where the trailer is
     empty).  Adding `on`'s sum negated, -0.0 for a float (0 for an integer), leaves every bit of
-    `x` as it is, a -0.0 included (a bool `x`: or-ed with `on.any()`, False)."""
+    `x` as it is, a -0.0 included (a bool `x`: or-ed with `on.any()`, False).
+
+    An empty `on` is first replaced by `shmap.token(on)`, a zero made after it that Inductor cannot
+    see through: the sum of an empty tensor is a constant it folds, and then it launched a
+    reduce_scatter before its own `coll_begin` and before the psums that came first (checks off: the
+    same order on every jitted rank, so unnoticed, but not a rank running eagerly's, whose gloo
+    aborted at the mismatched messages)."""
+    if on.numel() == 0:
+        on = torch.ops.shmap.token(on)
     if x.dtype == torch.bool:
         return x | on.any()
     return x + on.sum().to(x.dtype).neg()

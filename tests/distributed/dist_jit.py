@@ -240,14 +240,16 @@ def one_rank_eager():
     """A call jit could not capture runs `f` eagerly on that rank (jit's rule, for a failure before the
     call communicated), and a capture can fail on one rank only: then that rank's eager collectives
     meet the others' replays, so they must be the same on the wire.  Rank 1 runs `f` eagerly, the
-    others the jitted program (the capture, then a replay), with the default checks, both backends,
-    on 2 and 4 processes (on 4 the small psums run as gathered reductions): every collective but
+    others the jitted program (the capture, then a replay), checks on and off, both backends, on 2
+    and 4 processes (on 4 the small psums run as gathered reductions): every collective but
     ppermute, forward and backward.  Not the same on the wire, so not here (shmap/jit.py's docstring
-    says so): a ppermute (point-to-point sends eagerly, an all_to_all in a graph) and Inductor's
-    program with checks off (a psum's payload differed).  Inductor may skip a bfloat16 rounding eager
-    code performs (its `emulate_precision_casts` is off by default): on 4 processes the bfloat16 psum,
-    reduced inside the graph, then differed by an ulp from the eager rank's, so Inductor is asked to
-    emulate it here and the values must agree to 1e-12.  -> [differences]"""
+    says so): a ppermute (point-to-point sends eagerly, an all_to_all in a graph).  With checks off,
+    Inductor once launched a reduce_scatter before the psums that came first (a dependency through an
+    empty tensor, folded away; `traced._depend`): gloo aborted the eager rank.  Inductor may skip a
+    bfloat16 rounding eager code performs (its `emulate_precision_casts` is off by default): on 4
+    processes the bfloat16 psum, reduced inside the graph, then differed by an ulp from the eager
+    rank's, so Inductor is asked to emulate it here and the values must agree to 1e-12.
+    -> [differences]"""
     import functools
 
     import torch._inductor.config as inductor_config
@@ -264,14 +266,19 @@ def one_rank_eager():
             torch.randn(4 * n, 3, generator=g, dtype=torch.float64),
             torch.randn(3 * n, generator=g).to(torch.bfloat16), torch.full((2 * n,), 2 ** 30, dtype=torch.int32)]
     bad = []
-    want = _run_whole(f, args)
-    for backend in ("eager", "inductor"):
-        j = shmap.jit(f, backend=backend)
-        with inductor_config.patch(emulate_precision_casts=True):
-            for call in range(2):  # the capture, then a replay
-                got = _run_whole(j.eager if rank == 1 else j, args)
-                bad += _same(f"{n} processes, rank 1 eager, the others jit {backend}, call {call}", got, want,
-                             exact=backend == "eager")
+    for checks in (True, False):
+        prev = shmap.configure_distributed(check_collectives=checks)
+        try:
+            want = _run_whole(f, args)
+            for backend in ("eager", "inductor"):
+                j = shmap.jit(f, backend=backend)
+                with inductor_config.patch(emulate_precision_casts=True):
+                    for call in range(2):  # the capture, then a replay
+                        got = _run_whole(j.eager if rank == 1 else j, args)
+                        bad += _same(f"{n} processes, checks {'on' if checks else 'off'}, rank 1 eager, the "
+                                     f"others jit {backend}, call {call}", got, want, exact=backend == "eager")
+        finally:
+            shmap.configure_distributed(**prev)
     return bad
 
 
