@@ -44,8 +44,8 @@ class Body:
         if self.own is None:
             self.own = self.axes
         self._orders = {}
-        #: the type of argument the backend takes by `enter_block` (a DTensor), or None
-        self.block_type = self.backend.block_type
+        #: the types of argument the backend takes by `enter_block` (DTensors), or ()
+        self.block_types = self.backend.block_types
 
     def order(self, axes) -> tuple:
         """`axes` (any collection of this body's axis names) in mesh order: the one function for it.

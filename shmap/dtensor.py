@@ -57,6 +57,13 @@ def _output_class():
 _OUTPUT: list = []
 
 
+def plain_types() -> tuple:
+    """DTensor and `GlobalOutput` (a shard_map output: a DTensor in all but its `to_local`), the types the
+    boundary's shortcut and shmap.jit take as DTensors (not another subclass); () without distributed."""
+    cls = _DTENSOR[0] if _DTENSOR else _dtensor_class()
+    return () if cls == () else (cls, _output_class())
+
+
 # --------------------------------------------------------------------------
 # Specs <-> placements
 # --------------------------------------------------------------------------

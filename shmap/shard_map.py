@@ -270,7 +270,7 @@ def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split)
 
 def _enter(path, value, spec, body, mesh, fname, what):
     """Global argument -> body value."""
-    if type(value) is body.block_type and body.parent is None:  # a DTensor laid out as `spec`, most often
+    if type(value) in body.block_types and body.parent is None:  # a DTensor laid out as `spec`, most often
         _check_spec(spec, path, value.shape, mesh, body.own, fname, what=what)
         got = body.backend.enter_block(value, spec, body)
         if got is not None:

@@ -204,9 +204,9 @@ class Distributed(Backend):
         return x, axes
 
     @property
-    def block_type(self):
-        """The arguments `enter_block` takes: DTensors (None in a torch without them)."""
-        return dtensor._dtensor_class() or None
+    def block_types(self):
+        """The arguments `enter_block` takes: DTensors (`dtensor.plain_types`; () in a torch without them)."""
+        return dtensor.plain_types()
 
     def enter_block(self, x, spec, body):
         """`split` and `input_value` in one for the common argument, a DTensor laid out as `spec`

@@ -31,14 +31,14 @@ class Backend(abc.ABC):
     #: whether a value's physical tensor carries a leading dim per axis it varies along (every
     #: device's block in this process), or is one device's block (`paxes == ()` always)
     device_dims: bool = False
-    #: the type of global value `enter_block` may take (a DTensor), or None: no such shortcut
-    block_type: type | None = None
+    #: the types of global value `enter_block` may take (DTensors), or (): no such shortcut
+    block_types: tuple = ()
 
     # ------------------------------------------------------------------
     # The boundary: global values in and out of a body
     # ------------------------------------------------------------------
     def enter_block(self, x, spec, body):
-        """`(phys, vma)` for an argument `x` of type `block_type` in a top-level body, as `split`
+        """`(phys, vma)` for an argument `x` of a type in `block_types` in a top-level body, as `split`
         then `input_value` would give it (its in_spec checked already), or None to take that
         general path.  A shortcut for the common argument; the default takes none."""
         return None

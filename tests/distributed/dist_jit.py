@@ -100,6 +100,28 @@ def dtensor_gradients():
     return bad
 
 
+def output_into_jit():
+    """An eager shard_map's output that requires grad (a `GlobalOutput`) is a DTensor argument to a jitted
+    call like any other: captured once and replayed (not run eagerly), values and gradients as eager's."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    head = shmap.shard_map(lambda v: torch.sin(v) * 3, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    f = shmap.shard_map(lambda v: shmap.psum((v * v).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    j = shmap.jit(f, backend="eager")
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    bad, want = [], None
+    for call, fn in enumerate((f, j, j)):  # eager, the capture, a replay
+        leaf = x.clone().requires_grad_()
+        out = fn(head(leaf))
+        got = (out.to_local().detach(), torch.autograd.grad(out, leaf)[0])
+        if want is None:
+            want = got
+        elif not all(torch.equal(a, b) for a, b in zip(got, want)):
+            bad.append(f"output into jit, call {call}: {got} != {want}")
+    if len(j._cache) != 1:
+        bad.append(f"output into jit: {len(j._cache)} captures, expected 1 (a GlobalOutput argument ran eagerly)")
+    return bad
+
+
 def training_step():
     """The recipe's step shape: DTensor parameters in dicts (FSDP-sharded and replicated), a loss whose
     gradients are taken outside the call, an update under no_grad whose scalars are tensors (a new
@@ -368,7 +390,7 @@ def run_cases():
     import traceback
 
     bad = []
-    for case in (collectives, dtensor_gradients, training_step, pmap_call, waits_on_the_calling_thread,
+    for case in (collectives, dtensor_gradients, output_into_jit, training_step, pmap_call, waits_on_the_calling_thread,
                  options_changed_after_capture, one_rank_eager, checks_off_partial_permutation,
                  partial_permutation_dtypes):
         with warnings.catch_warnings(record=True) as caught:
