@@ -90,7 +90,7 @@ def units_worker(k: int, reps: int) -> dict:
     fns = {}
     for n in (k, 2 * k):
         for kind, step in kinds.items():
-            n_w = n if kind == "lifted" else 0
+            n_w = 2 * k if kind == "lifted" else 0  # (every call takes all 2k weights: their entry cancels)
             f = shmap.shard_map(chain(step, n), mesh=mesh, in_specs=(P("i"),) + (P(),) * n_w, out_specs=P("i"))
             plain = chain(step, n)
             fns[f"{kind} {n}"] = lambda f=f, n_w=n_w: f(x, *ws[:n_w])
@@ -234,7 +234,15 @@ def recipe_worker(steps: int) -> dict:
         finally:
             depth[0] -= 1
 
+    lift_phys = sht._lift_phys
+
+    def counting_lifts(*a):
+        counts[where[0] + " lifts"] += 1
+        return lift_phys(*a)
+
+    counts["forward lifts"] = counts["update lifts"] = 0
     sht.ShTensor.__torch_function__ = classmethod(counting)
+    sht._lift_phys = counting_lifts
     try:
         leaves, treedef = optree.tree_flatten(state["p"])
         for p in leaves:
@@ -246,6 +254,7 @@ def recipe_worker(steps: int) -> dict:
             run.update(state["p"], grads, state["o"], *optim.adam_scalars(cfg, 1, cfg.lr))
     finally:
         sht.ShTensor.__torch_function__ = classmethod(inner)
+        sht._lift_phys = lift_phys
     n = len(leaves)
     counts["forward args"], counts["update args"], counts["update outputs"] = n + 1, 4 * n, 3 * n + 1
     return {"phases": {k: statistics.median(v) for k, v in phases.items()}, "counts": counts}
@@ -257,7 +266,7 @@ def report_recipe(r: dict, unit: dict):
           "or communication")
     print(f"{'phase':<10} {'shmap':>8} {'DDP':>8} {'plain':>8} {'shmap-plain':>12} {'DDP-plain':>10}   "
           "counted in shmap's phase")
-    what = {"forward": f"{c['forward']} typed calls, {c['forward args']} arguments",
+    what = {"forward": f"{c['forward']} typed calls, {c['forward lifts']} lifts, {c['forward args']} arguments",
             "backward": "", "update": f"{c['update']} typed calls, {c['update args']} arguments, "
                                       f"{c['update outputs']} outputs"}
     tot = {v: 0.0 for v in ("shmap", "DDP", "plain")}
@@ -271,11 +280,14 @@ def report_recipe(r: dict, unit: dict):
     print(f"{'step':<10} {s * 1e3:8.2f} {d * 1e3:8.2f} {p * 1e3:8.2f} {(s - p) * 1e3:12.2f} {(d - p) * 1e3:10.2f}"
           f"   shmap / DDP = {s / d:.2f}x")
     typing = unit["op through the general dispatch"]  # (most typed calls take the cheaper fast path)
+    lift = unit["op lifting an invariant weight"] - typing
     boundary, out = unit["DTensor argument in"], unit["output out (a DTensor)"]
     weight = unit["DTensor argument in, requires grad"]
-    print(f"unit costs x counts: forward <= {(c['forward'] * typing + c['forward args'] * weight) * 1e3:.2f} ms "
-          f"(typing, arguments); update <= {(c['update'] * typing + c['update args'] * boundary + c['update outputs'] * out) * 1e3:.2f} ms "
-          "(typing, arguments, outputs)")
+    fwd = c["forward"] * typing + c["forward lifts"] * lift + c["forward args"] * weight
+    upd = c["update"] * typing + c["update args"] * boundary + c["update outputs"] * out
+    print(f"unit costs x counts: forward <= {fwd * 1e3:.2f} ms (typing, lifts, arguments); update <= "
+          f"{upd * 1e3:.2f} ms (typing, arguments, outputs).  Phase differences of a few ms are within this "
+          "machine's run-to-run noise: compare runs.")
 
 
 def main():
