@@ -17,6 +17,7 @@ from .sealed import (_sealed_bytes, _sealed_reduce, _sealed_reduce_rows, _sealin
 from .signatures import Seal
 from . import traced
 from .traced import tracing
+from .shm_run import _run_shm
 
 
 # --------------------------------------------------------------------------
@@ -154,9 +155,10 @@ def _launch_all_reduce(x, g: Group, kind):
     shm = g.shm(head) if kind == "psum" else None
     flight = None
     if shm is not None:  # completes here
-        x = torch.cat(x) if isinstance(x, list) else x
-        out = x.to(dtype=wire or x.dtype, memory_format=torch.contiguous_format, copy=True)
-        _run_shm(g, kind, x.shape, x.dtype, lambda: shm.all_reduce(out, out=out))
+        buf, out, seal = _sealed_reduce(x, wire or head.dtype, g, kind)  # a fresh copy (+ the signature trailer)
+        run = (lambda: shm.all_reduce(buf, out=buf)) if seal is None else \
+            (lambda: (shm.all_reduce(buf, out=buf), seal.recv))
+        _run_shm(g, shm, kind, shape, head.dtype, run, seal=seal)
     elif g.shm(head) is None and gathered_reduce(g, math.prod(shape) * head.element_size()):
         return _launch_gathered_reduce(x, g, kind)  # (pmax/pmin stay off a shared-memory transport)
     else:
@@ -239,16 +241,6 @@ def _pg_all_reduce(buf, op, pg):
 _AR_OPTIONS: dict = {}
 
 
-def _run_shm(g: Group, kind, shape, dtype, fn, extra=""):
-    """As `_run`, with the data moved by the group's shared-memory transport."""
-    w = g._backend.watch
-    with torch.no_grad():
-        w.verify(w.begin(kind, g.axes, shape, dtype, extra, exchange=True))  # no payload signature here
-        result = fn()
-    w.done()
-    return result
-
-
 def _sealed_bucket(part, g: Group) -> bool:
     """Whether a bucket of parts like `part` travels sealed as their concatenation (eager, gloo, default mode)."""
     return not tracing() and g.n > 1 and g.shm(part) is None and _sealing(g)
@@ -288,11 +280,18 @@ def _launch_gather_rows(x, g: Group, kind, extra=""):
         flat = x.reshape(-1) if x.dtype in _MOVABLE else _as_bytes(x)
         wire, src = flat.dtype, flat.reshape(1, -1)
     flight = None
-    if shm is not None:  # completes here
-        got = _run_shm(g, kind, shape, dtype, lambda: shm.all_gather(flat), extra)
+    send, nb, expect = _sealed_bytes(src, g, kind, shape, dtype, extra)
+    if shm is not None and send is None:  # completes here
+        got = _run_shm(g, shm, kind, shape, dtype, lambda: shm.all_gather(flat), extra)
         read = lambda: got  # noqa: E731
+    elif shm is not None:  # completes here, its rows sealed as on gloo
+        def gather():
+            rows = shm.all_gather(send.view(-1)).view(g.n, nb + 8)
+            return rows, rows[:, nb:]
+
+        rows = _run_shm(g, shm, kind, shape, dtype, gather, extra, seal=Seal("bytes", None, None, expect))
+        read = lambda: _unsealed_rows(rows, nb, wire, g.n)  # noqa: E731
     else:
-        send, nb, expect = _sealed_bytes(src, g, kind, shape, dtype, extra)
         if send is None:
             out = flat.new_empty((g.n, flat.numel()))
             flight = _start(g, kind, shape, dtype,
@@ -371,7 +370,7 @@ def _launch_psum_scatter(x, g: Group, dim, tiled):
     shm = g.shm(x)
     if shm is not None:
         inp = chunks.reshape(g.n, -1).contiguous()
-        out = _run_shm(g, "psum_scatter", x.shape, x.dtype, lambda: shm.reduce_scatter(inp), extra)
+        out = _run_shm(g, shm, "psum_scatter", x.shape, x.dtype, lambda: shm.reduce_scatter(inp), extra)
         return None, lambda: out.reshape(chunks.shape[1:]).to(x.dtype)
     flight, out = _start_scatter(chunks.reshape(-1), g, x.shape, x.dtype, extra)
     return flight, lambda: out.view(chunks.shape[1:]).to(x.dtype)
@@ -417,7 +416,7 @@ def _ppermute(x, g: Group, perm):
     shm = g.shm(x)
     if shm is not None:
         tperm = [tuple(g.torch_ranks((s, d))) for s, d in perm]
-        return _run_shm(g, "ppermute", x.shape, x.dtype, lambda: shm.ppermute(x, tperm), f"perm={list(perm)}")
+        return _run_shm(g, shm, "ppermute", x.shape, x.dtype, lambda: shm.ppermute(x, tperm), f"perm={list(perm)}")
     out = torch.empty_like(x) if recv else torch.zeros_like(x)  # a device with no source gets zeros
     if me in send and me in recv:
         out.copy_(x)
@@ -456,7 +455,7 @@ def _all_to_all(x, g: Group, split_axis, concat_axis, tiled):
         extra = f"split_axis={split_axis}, concat_axis={concat_axis}, tiled={tiled}"
         shm = g.shm(inp)
         if shm is not None:
-            out = _run_shm(g, "all_to_all", x.shape, x.dtype, lambda: shm.all_to_all(inp), extra)
+            out = _run_shm(g, shm, "all_to_all", x.shape, x.dtype, lambda: shm.all_to_all(inp), extra)
         else:
             sin, nb, expect = _sealed_bytes(inp, g, "all_to_all", x.shape, x.dtype, extra)
             if sin is None:

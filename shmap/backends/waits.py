@@ -28,6 +28,45 @@ _AFTER = re.compile(r"after collective #(\d+)")
 _WATCH_LOCK = threading.Lock()
 
 
+class Stall:
+    """What a wait does once it has lasted a poll interval, and then every interval: publish where this
+    rank waits, poll the store for failed and exited peers and for the timeout, and (checks on) compare
+    the group's published wait records once a second.  `tick()` is called between a wait's slices
+    (`WatchedWaits.wait`: each slice is an interval, `every=0`) or between the sleeps of the
+    shared-memory transport's kernels (`transports._run_shm`), which wake on every signal: there a tick
+    within `every` seconds of the last (or of `begun`, when the wait started) returns at once, so a
+    wait that completes within the interval never touches the store."""
+
+    __slots__ = ("w", "what", "ranks", "signature", "begun", "every", "due", "published", "next_compare")
+
+    def __init__(self, w, what, ranks, signature=False, begun=None, every=None):
+        self.w, self.what, self.ranks, self.signature = w, what, ranks, signature
+        self.begun = time.monotonic() if begun is None else begun
+        self.every = _OPTIONS["poll"] if every is None else every
+        self.due = self.begun + self.every
+        self.published = False
+
+    def tick(self):
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + self.every
+        w = self.w
+        what = w._what(self.what, self.signature)
+        if not self.published:
+            w._publish_wait(what)
+            self.published = True
+            self.next_compare = now + _OPTIONS["poll"]
+        w._poll(what, self.ranks, self.begun, now)
+        if now >= self.next_compare and _OPTIONS["check_collectives"] and w.current is not None:
+            self.next_compare = now + 1.0
+            w._compare_records(self.ranks)
+
+    def close(self):
+        if self.published:
+            self.w._unpublish_wait()
+
+
 class WatchedWaits:
     """The watched waits of the guard `guard.Watch` (and the messages that name the ranks involved)."""
 
@@ -44,8 +83,7 @@ class WatchedWaits:
             return
         if blocking:
             done, err = _waiter().submit(work)
-        t0 = None
-        published = False
+        stall = None  # (made when the first slice runs out: most waits complete within it)
         while True:
             try:
                 if not blocking:
@@ -66,20 +104,11 @@ class WatchedWaits:
                     if not _transport_error(e):  # a local error (dtype, shape, ...): as it is
                         raise e
                     raise self._broken(e, self._what(what, signature), ranks) from e  # e.g. a peer died
-            # Still running after a slice (outside the except: errors below chain to nothing).
-            now = time.monotonic()
-            if t0 is None:
-                t0 = now - _OPTIONS["poll"]
-            if not published:
-                self._publish_wait(self._what(what, signature))
-                published = True
-                next_compare = now + _OPTIONS["poll"]
-            self._poll(self._what(what, signature), ranks, t0, now)
-            if now >= next_compare and _OPTIONS["check_collectives"] and self.current is not None:
-                next_compare = now + 1.0
-                self._compare_records(ranks)
-        if published:
-            self._unpublish_wait()
+            if stall is None:  # still running after a slice (outside the except: errors below chain to nothing)
+                stall = Stall(self, what, ranks, signature, begun=time.monotonic() - _OPTIONS["poll"], every=0)
+            stall.tick()
+        if stall is not None:
+            stall.close()
 
     def _what(self, what, signature=False):
         if what is not None:
@@ -321,6 +350,31 @@ class WatchedWaits:
             "No rank reported an error first; a peer process probably died without a Python exception "
             "(killed, out of memory, or a crash). Check the other ranks' logs."
         )
+
+    def transport_failed(self, err, ranks, elapsed):
+        """A registered transport's collective raised (the shared-memory kernels' own checks: a semaphore
+        left counting when a peer sent more than this rank expected, a peer's kernel error, its own
+        timeout): a rank that entered another collective at the same count (its black box, same host) is
+        the cause, named as a mismatch; a timeout names where each rank waits, as the guard's own does;
+        otherwise the transport's error stands.  `elapsed`: seconds since the collective started."""
+        if isinstance(err, TimeoutError):
+            what = self._what(None)
+            self.poisoned = True
+            return CollectiveTimeoutError(f"{self._timeout_message(what, ranks, elapsed)}\n(the transport: "
+                                          f"{type(err).__name__}: {str(err).splitlines()[0][:300]})")
+        if self.current is None or not _OPTIONS["check_collectives"]:
+            return err
+        mine = (self.current[0], self.epoch, describe(*self.current[1:]))
+        others = [r for r in (range(self.world) if ranks is None else ranks) if r != self.rank]
+        boxes = [self._box_record(r) for r in others]
+        if not any(b is not None and b[0] == mine[0] and b[:3] != mine for b in boxes):
+            return err
+        try:
+            self._mismatch_found(ranks, "the shared-memory transport's kernel failing", dead=set(others),
+                                 note=f"(the transport: {type(err).__name__}: {str(err).splitlines()[0][:300]})")
+        except CollectiveMismatchError as e:
+            return e
+        return err
 
 
 class _Waiter:

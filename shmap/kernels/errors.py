@@ -60,7 +60,7 @@ class ScheduleDependenceError(KernelError):
     """Two schedules of the same kernel produced different outputs."""
 
 
-class KernelTimeoutError(KernelError):
+class KernelTimeoutError(KernelError, TimeoutError):
     """Shared-memory runtime: a wait did not complete within the timeout
     (a deadlock, or a peer process that stalled or died)."""
 

@@ -62,6 +62,9 @@ from .segments import (
 )
 from .shm_device import _Device
 
+#: seconds between a watched wait's calls to its `ShmComm.watcher` (the guard's poll interval)
+WATCH_EVERY = 0.25
+
 
 def _kernel_key(kernel):
     """Cache key for a kernel; partials built per call compare by their contents."""
@@ -108,6 +111,10 @@ class ShmComm:
         self._plans: dict = {}
         self.last_sync = "barrier"
         self.bank_written = [0, 0]  # how many slots of each bank this rank has written
+        # Called between sleeps of a wait that did not complete at once (None: none): it may raise to
+        # end the wait.  Its owner watches there what this runtime cannot see, e.g. shmap's guard reads
+        # the store for peers that exited or failed outside any kernel.
+        self.watcher = None
 
     @classmethod
     def connect(cls, name: str, rank: int, world_size: int, *, capacity: int = 64 << 20,
@@ -149,12 +156,15 @@ class ShmComm:
                 os.sched_yield()
         deadline = time.monotonic() + timeout
         bell = self.seg.bells[self.rank]
+        watcher = self.watcher
         while not ready():
             self.check_peers()
+            if watcher is not None:
+                watcher()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KernelTimeoutError(describe())
-            bell.sleep(min(left, 1.0))
+            bell.sleep(min(left, 1.0 if watcher is None else WATCH_EVERY))
 
     def barrier(self, n: int | None = None, epoch: int | None = None) -> None:
         """Generation barrier over ranks 0..n-1: one monotonic counter per (target, source),

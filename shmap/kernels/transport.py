@@ -347,6 +347,16 @@ class ShmTransport:
                 kernel, piece, (Buffer(piece.shape, x.dtype), (DMA, DMA)), None, sync="barrier")
         return result.view(x.shape)
 
+    @property
+    def watcher(self):
+        """Called between the sleeps of a wait that did not complete at once; may raise to end it
+        (`ShmComm.watcher`: shmap's guard watches the store for failed and exited peers there)."""
+        return self.comm.watcher
+
+    @watcher.setter
+    def watcher(self, fn):
+        self.comm.watcher = fn
+
     def barrier(self) -> None:
         self.comm.barrier()
 

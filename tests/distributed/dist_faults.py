@@ -281,18 +281,48 @@ def ppermute_bigger_sender():
     return "finished"
 
 
-def shm_unchecked_peer_raises():
-    """The shared-memory transport with checks off: rank 1 raises between two psums; rank 0's wait in the
-    kernel ends after the configured timeout (3 s), not the transport's own 60 s."""
+def _shm(**options):
     import importlib
 
     importlib.import_module("shmap.kernels.transport")
-    shmap.configure_distributed(transport="shm", check_collectives=False, timeout=3)
+    shmap.configure_distributed(transport="shm", **options)
+
+
+def shm_peer_raises(checks):
+    """The shared-memory transport: rank 1 raises between two psums while rank 0 waits in the second one's
+    kernel (with checks on, its signature rides in the payload: no exchange ran before the kernel)."""
+    _shm(check_collectives=checks)
     f = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=_mesh(), in_specs=P("i"), out_specs=P())
     f(torch.ones(8))
     if _rank() == 1:
         raise ValueError("rank 1 fails on purpose")
     f(torch.ones(8))
+    return "finished"
+
+
+def shm_peer_stalls():
+    """The shared-memory transport, checks off: rank 1 sleeps past the collective timeout (3 s) before the
+    second psum; rank 0's wait in the kernel ends with the timeout, naming the rank that never came."""
+    _shm(check_collectives=False, timeout=3)
+    f = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=_mesh(), in_specs=P("i"), out_specs=P())
+    f(torch.ones(8))
+    if _rank() == 1:
+        time.sleep(12)
+    f(torch.ones(8))
+    return "finished"
+
+
+def shm_mismatch(kind):
+    """The shared-memory transport, checks on: rank 1 calls a psum of another shape ("shape") or an
+    all_gather ("kind") where rank 0 calls a psum."""
+    _shm()
+    mesh = _mesh()
+    psum = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    if _rank() == 1 and kind == "kind":
+        shmap.shard_map(lambda x: shmap.all_gather(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(
+            torch.ones(8))
+    else:
+        psum(torch.ones(16 if _rank() == 1 and kind == "shape" else 8))
     return "finished"
 
 

@@ -165,10 +165,31 @@ def test_a_rank_gloo_aborts_is_reported_with_the_likely_cause():
     assert name == "ProcessDied" and "SIGABRT" in msg and "different shapes" in msg, err
 
 
-def test_the_shm_transport_waits_take_the_configured_timeout():
-    err = run_failing(dist_faults.shm_unchecked_peer_raises, nprocs=2)
+@pytest.mark.parametrize("checks", [True, False])
+def test_a_peer_that_fails_is_reported_to_a_rank_waiting_in_the_shm_transport(checks):
+    """The shared-memory transport's kernels wait under the guard too: rank 0 learns within a poll
+    interval that rank 1 failed (it waited for the transport's 60 s before: `run_failing` bounds the run
+    at 30), with checks on (the signature in the payload, no exchange before the kernel) and off."""
+    err = run_failing(dist_faults.shm_peer_raises, checks, nprocs=2)
     name, msg, _ = err.errors[0]
-    assert name == "KernelTimeoutError" and "within 3.0 s" in msg, err
+    assert name == "RankFailedError" and "rank 1 failed" in msg and "on purpose" in msg, err
+
+
+def test_the_shm_transport_waits_take_the_configured_timeout():
+    err = run_failing(dist_faults.shm_peer_stalls, nprocs=2)
+    name, msg, _ = err.errors[0]
+    assert name == "CollectiveTimeoutError" and "rank 1" in msg, err
+
+
+@pytest.mark.parametrize("kind, words", [("shape", ["float32[4]", "float32[8]"]),
+                                         ("kind", ["psum over 'i'", "all_gather over 'i'"])])
+def test_a_mismatch_on_the_shm_transport_is_named_on_every_rank(kind, words):
+    """With checks on the shared-memory transport carries psum's and all_gather's signatures in the
+    payload, as gloo does: a rank calling another shape or collective is named, not waited for."""
+    err = run_failing(dist_faults.shm_mismatch, kind, nprocs=2)
+    assert set(err.errors) == {0, 1}, err
+    for name, msg, _ in err.errors.values():
+        assert name == "CollectiveMismatchError" and all(w in msg for w in words), msg
 
 
 @pytest.mark.parametrize("fn, words", [
