@@ -33,7 +33,7 @@ class Stall:
     rank waits, poll the store for failed and exited peers and for the timeout, and (checks on) compare
     the group's published wait records once a second.  `tick()` is called between a wait's slices
     (`WatchedWaits.wait`: each slice is an interval, `every=0`) or between the sleeps of the
-    shared-memory transport's kernels (`transports._run_shm`), which wake on every signal: there a tick
+    shared-memory transport's kernels (`shm_run._run_shm`), which wake on every signal: there a tick
     within `every` seconds of the last (or of `begun`, when the wait started) returns at once, so a
     wait that completes within the interval never touches the store."""
 
