@@ -50,6 +50,7 @@ class Watch(WatchedWaits):
         self.box = None  # this rank's black box: its current collective, readable by peers on its host
         self._box_key, self._box_len = None, 0
         self.boxes: dict = {}  # rank -> peer's black box (same host)
+        self.pids: dict = {}  # rank -> peer's process id (same host and PID namespace: `peer_gone`)
         if self.world > 1:
             try:
                 self._open_boxes()
@@ -81,12 +82,14 @@ class Watch(WatchedWaits):
         finally:
             os.close(fd)
         try:
-            self.store.set(f"shmap/box/{self.rank}", f"{host}\t{path}")
+            ns = _pid_namespace()
+            self.store.set(f"shmap/box/{self.rank}", f"{host}\t{ns}\t{os.getpid()}\t{path}")
             for r in range(self.world):
                 if r == self.rank:
                     continue
-                h, _, p = self.store.get(f"shmap/box/{r}").decode().partition("\t")
-                if h == host:
+                h, their_ns, pid, p = self.store.get(f"shmap/box/{r}").decode().split("\t", 3)
+                if h == host and ns and their_ns == ns:  # (a container of its own may share the host name)
+                    self.pids[r] = int(pid)
                     try:
                         with open(p, "rb") as f:
                             self.boxes[r] = mmap.mmap(f.fileno(), _BOX, access=mmap.ACCESS_READ)
@@ -98,6 +101,20 @@ class Watch(WatchedWaits):
                 time.sleep(0.005)
         finally:
             os.unlink(path)
+
+    def peer_gone(self, r) -> bool:
+        """Whether rank r (same host) has ended: its process is gone or a zombie.  A rank killed by a
+        signal reports nothing, and the shared-memory transport has no connection that closes."""
+        pid = self.pids.get(r)
+        if pid is None:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[:1] == [b"Z"]
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
 
     def _box_write(self, n, kind, axes, shape, dtype, extra):
         """Layout: counter, epoch, description length (3 x u32), description (rewritten when it changes)."""
@@ -265,6 +282,15 @@ class Watch(WatchedWaits):
             self.store.add("shmap/nevents", 1)
         except Exception:  # noqa: BLE001 - the store may already be gone at exit
             pass
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace ("" where /proc does not say): a peer's process id means the same
+    process here only within the same one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 #: bytes of a black box (watch._open_boxes), and its header

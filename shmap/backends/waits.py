@@ -241,9 +241,47 @@ class WatchedWaits:
                 f"finished the program without calling it:\n{lines}\n" + self._odd_one_out(exited, ranks)
                 + "Fix: make every rank call the same collectives."
             )
+        others = [r for r in (range(self.world) if ranks is None else ranks) if r != self.rank]
+        gone = [r for r in others if r not in self.events and self.peer_gone(r)]
+        if gone:  # ended without a report: killed, out of memory, a crash (same host: `Watch.peer_gone`)
+            self._read_events()  # (a report written just after the first read: the next poll names it)
+            gone = [r for r in gone if r not in self.events]
+        if gone:
+            self.poisoned = True
+            raise self._died_in_mismatch(ranks, gone, others) or RankFailedError(self._gone_message(gone, what))
         if now - t0 > self.timeout:
             self.poisoned = True
             raise CollectiveTimeoutError(self._timeout_message(what, ranks, now - t0))
+
+    def _died_in_mismatch(self, ranks, dead, others):
+        """`CollectiveMismatchError` when a rank of `others` last entered (its black box, same host) a
+        different collective at this one's count, else None: gloo aborts a process on a mismatch (it
+        does when a message is larger than the receiver expects), which then died without a word."""
+        if self.current is None:
+            return None
+        mine = (self.current[0], self.epoch, describe(*self.current[1:]))
+        boxes = [self._box_record(r) for r in others]
+        if not any(b is not None and b[0] == mine[0] and b[:3] != mine for b in boxes):
+            return None
+        try:
+            self._mismatch_found(ranks, "the black boxes of the ranks that died", dead=set(dead),
+                                 note=f"{_ranks(dead)} died in it without a Python exception (gloo aborts a "
+                                      "process that receives more data than it expects).")
+        except CollectiveMismatchError as e:
+            return e
+        return None
+
+    def _gone_message(self, gone, what):
+        lines = []
+        for r in gone:
+            box = self._box_record(r)
+            lines.append(f"  rank {r}: last entered collective #{box[0]} ({box[2]})" if box else
+                         f"  rank {r}: entered no collective")
+        return (
+            f"distributed mesh: rank {self.rank} waits in {what}, but {_ranks(gone)} stopped answering: its "
+            "process ended and it reported nothing, so it probably died without a Python exception (killed, "
+            "out of memory, or a crash). Check the log of " + _ranks(gone) + ".\n" + "\n".join(lines)
+        )
 
     def _odd_one_out(self, exited, ranks) -> str:
         """Who more likely ran the other program: when most of the group finished together, after
@@ -325,19 +363,10 @@ class WatchedWaits:
             )
         members = list(range(self.world)) if ranks is None else list(ranks)
         silent = [r for r in members if r != self.rank and self._record(r) is None]
-        if silent and self.current is not None:
-            # What the silent ranks last entered (their black boxes, same host): a different collective
-            # at the same count means gloo aborted a process on the mismatch (it does when a message is
-            # larger than the receiver expects).
-            mine = (self.current[0], self.epoch, describe(*self.current[1:]))
-            boxes = {r: self._box_record(r) for r in members if r != self.rank}
-            if any(b is not None and b[0] == mine[0] and b[:3] != mine for b in boxes.values()):
-                try:
-                    self._mismatch_found(ranks, "the black boxes of the ranks that died", dead=set(silent),
-                                         note=f"{_ranks(silent)} died in it without a Python exception (gloo "
-                                              "aborts a process that receives more data than it expects).")
-                except CollectiveMismatchError as e:
-                    return e
+        if silent:
+            found = self._died_in_mismatch(ranks, silent, [r for r in members if r != self.rank])
+            if found is not None:
+                return found
         if silent:
             return RankFailedError(
                 f"distributed mesh: {what} failed on rank {self.rank} because {_ranks(silent)} stopped "

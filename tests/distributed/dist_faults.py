@@ -363,3 +363,18 @@ def extra_shard_map(bad_rank):
     if _rank() == bad_rank:
         f(x)
     return "finished"
+
+
+def shm_peer_killed(checks):
+    """The shared-memory transport: rank 1 is SIGKILLed between two psums while rank 0 waits in the
+    second one's kernel (no report, and no connection closes)."""
+    import os
+    import signal
+
+    _shm(check_collectives=checks)
+    f = shmap.shard_map(lambda x: shmap.psum(x, "i"), mesh=_mesh(), in_specs=P("i"), out_specs=P())
+    f(torch.ones(8))
+    if _rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    f(torch.ones(8))
+    return "finished"

@@ -175,6 +175,16 @@ def test_a_peer_that_fails_is_reported_to_a_rank_waiting_in_the_shm_transport(ch
     assert name == "RankFailedError" and "rank 1 failed" in msg and "on purpose" in msg, err
 
 
+@pytest.mark.parametrize("checks", [True, False])
+def test_a_sigkilled_peer_is_named_by_a_rank_waiting_in_the_shm_transport(checks):
+    """No report and no connection to close: the guard sees the peer's process gone (same host) within a
+    poll interval; before, rank 0 waited until spawn killed it, 10 s after the first failure."""
+    err = run_failing(dist_faults.shm_peer_killed, checks, nprocs=2)
+    assert err.errors[1][0] == "ProcessDied" and "-9" in err.errors[1][1], err
+    name, msg, _ = err.errors[0]
+    assert name == "RankFailedError" and "rank 1 stopped answering" in msg and "collective #" in msg, err
+
+
 def test_the_shm_transport_waits_take_the_configured_timeout():
     err = run_failing(dist_faults.shm_peer_stalls, nprocs=2)
     name, msg, _ = err.errors[0]
