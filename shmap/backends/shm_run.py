@@ -21,8 +21,8 @@ def _run_shm(g: Group, shm, kind, shape, dtype, fn, extra="", seal=None):
     """As `_run`, with the data moved by the group's shared-memory transport `shm` (completes here).
 
     `seal`: the payload carries the signature (a psum's trailer, an all_gather's sealed rows: built by
-    the caller as for gloo, `sealed.py`); `fn` returns the result and the seal's received part, which is
-    checked.  Without one, a signature exchange runs first (checks on).  While the transport's kernel
+    the caller as for gloo, `sealed.py`); its received part (`recv`, set by `fn` where the transport
+    allocates the output) is checked.  Without one, a signature exchange runs first (checks on).  While the transport's kernel
     waits, the guard watches as a gloo wait does (`waits.Stall`): a peer that failed or exited outside
     any kernel is reported within a poll interval, a stalled mismatch is named, the timeout applies."""
     w = g._backend.watch
@@ -47,7 +47,6 @@ def _run_shm(g: Group, shm, kind, shape, dtype, fn, extra="", seal=None):
                 shm.watcher = None
                 stall.close()
         if seal is not None:
-            result, seal.recv = result
             w.unseal(seal, g.ranks)
     w.done()
     return result

@@ -156,9 +156,7 @@ def _launch_all_reduce(x, g: Group, kind):
     flight = None
     if shm is not None:  # completes here
         buf, out, seal = _sealed_reduce(x, wire or head.dtype, g, kind)  # a fresh copy (+ the signature trailer)
-        run = (lambda: shm.all_reduce(buf, out=buf)) if seal is None else \
-            (lambda: (shm.all_reduce(buf, out=buf), seal.recv))
-        _run_shm(g, shm, kind, shape, head.dtype, run, seal=seal)
+        _run_shm(g, shm, kind, shape, head.dtype, lambda: shm.all_reduce(buf, out=buf), seal=seal)
     elif g.shm(head) is None and gathered_reduce(g, math.prod(shape) * head.element_size()):
         return _launch_gathered_reduce(x, g, kind)  # (pmax/pmin stay off a shared-memory transport)
     else:
@@ -285,11 +283,14 @@ def _launch_gather_rows(x, g: Group, kind, extra=""):
         got = _run_shm(g, shm, kind, shape, dtype, lambda: shm.all_gather(flat), extra)
         read = lambda: got  # noqa: E731
     elif shm is not None:  # completes here, its rows sealed as on gloo
+        seal = Seal("bytes", None, None, expect)
+
         def gather():
             rows = shm.all_gather(send.view(-1)).view(g.n, nb + 8)
-            return rows, rows[:, nb:]
+            seal.recv = rows[:, nb:]
+            return rows
 
-        rows = _run_shm(g, shm, kind, shape, dtype, gather, extra, seal=Seal("bytes", None, None, expect))
+        rows = _run_shm(g, shm, kind, shape, dtype, gather, extra, seal=seal)
         read = lambda: _unsealed_rows(rows, nb, wire, g.n)  # noqa: E731
     else:
         if send is None:

@@ -254,9 +254,15 @@ class WatchedWaits:
             raise CollectiveTimeoutError(self._timeout_message(what, ranks, now - t0))
 
     def _died_in_mismatch(self, ranks, dead, others):
+        """`_boxes_mismatch` for ranks that died without a word: gloo aborts a process on a mismatch (it
+        does when a message is larger than the receiver expects)."""
+        return self._boxes_mismatch(ranks, others, dead, "the black boxes of the ranks that died",
+                                    f"{_ranks(dead)} died in it without a Python exception (gloo aborts a "
+                                    "process that receives more data than it expects).")
+
+    def _boxes_mismatch(self, ranks, others, dead, how, note):
         """`CollectiveMismatchError` when a rank of `others` last entered (its black box, same host) a
-        different collective at this one's count, else None: gloo aborts a process on a mismatch (it
-        does when a message is larger than the receiver expects), which then died without a word."""
+        different collective at this one's count, else None; `dead` ranks are described by their boxes."""
         if self.current is None:
             return None
         mine = (self.current[0], self.epoch, describe(*self.current[1:]))
@@ -264,9 +270,7 @@ class WatchedWaits:
         if not any(b is not None and b[0] == mine[0] and b[:3] != mine for b in boxes):
             return None
         try:
-            self._mismatch_found(ranks, "the black boxes of the ranks that died", dead=set(dead),
-                                 note=f"{_ranks(dead)} died in it without a Python exception (gloo aborts a "
-                                      "process that receives more data than it expects).")
+            self._mismatch_found(ranks, how, dead=set(dead), note=note)
         except CollectiveMismatchError as e:
             return e
         return None
@@ -391,19 +395,11 @@ class WatchedWaits:
             self.poisoned = True
             return CollectiveTimeoutError(f"{self._timeout_message(what, ranks, elapsed)}\n(the transport: "
                                           f"{type(err).__name__}: {str(err).splitlines()[0][:300]})")
-        if self.current is None or not _OPTIONS["check_collectives"]:
+        if not _OPTIONS["check_collectives"]:
             return err
-        mine = (self.current[0], self.epoch, describe(*self.current[1:]))
         others = [r for r in (range(self.world) if ranks is None else ranks) if r != self.rank]
-        boxes = [self._box_record(r) for r in others]
-        if not any(b is not None and b[0] == mine[0] and b[:3] != mine for b in boxes):
-            return err
-        try:
-            self._mismatch_found(ranks, "the shared-memory transport's kernel failing", dead=set(others),
-                                 note=f"(the transport: {type(err).__name__}: {str(err).splitlines()[0][:300]})")
-        except CollectiveMismatchError as e:
-            return e
-        return err
+        return self._boxes_mismatch(ranks, others, others, "the shared-memory transport's kernel failing",
+                                    f"(the transport: {type(err).__name__}: {str(err).splitlines()[0][:300]})") or err
 
 
 class _Waiter:
