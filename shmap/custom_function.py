@@ -15,6 +15,8 @@ arguments that are not body values (one type check per argument).
 """
 from __future__ import annotations
 
+import contextlib
+
 import optree
 import torch
 
@@ -84,10 +86,12 @@ class _Call:
         self.cls, self.body, self.kwargs = cls, body, kwargs
         self.template = []  # per positional argument: ('t', index into tensors, _Type) or ('c', value)
         self.in_types = []
+        self.in_shapes = []  # per-device (logical) shapes: what a gradient must have
         for a in args:
             if isinstance(a, torch.Tensor):
                 self.template.append(("t", len(self.in_types)))
                 self.in_types.append(_Type.of(a))
+                self.in_shapes.append(tuple(a.shape))
             else:
                 self.template.append(("c", a))
         self.out_types = None
@@ -188,14 +192,26 @@ class _Staging:
     def set_materialize_grads(self, value):
         self._ops.append(("set_materialize_grads", value))
 
-    def replay(self, ctx):
+    def done(self, inputs, outputs):
+        """The forward's physical inputs and outputs (attributes of the staging itself, not ctx ops)."""
+        object.__setattr__(self, "fwd_in", tuple(inputs))
+        object.__setattr__(self, "fwd_out", tuple(outputs))
+
+    def replay(self, ctx, inputs, outputs):
+        """The ops on `ctx`, the forward's inputs and outputs among their tensors replaced by
+        `setup_context`'s: under a torch.func transform those are the transform's own (wrapped)
+        tensors, while forward ran one level below on unwrapped ones.  A tensor saved at that level
+        would be a constant to the transform, and its higher derivatives lost (`mark_dirty` of one
+        refused).  (Other tensors a forward saves, its intermediates, stay as they are: torch.func
+        admits only inputs and outputs, so a transform sees them as constants there too.)"""
+        swap = {id(a): b for a, b in zip(self.fwd_in + self.fwd_out, tuple(inputs) + tuple(outputs))}
         for op in self._ops:
             if op[0] == "setattr":
                 setattr(ctx, op[1], op[2])
             elif op[0] == "set_materialize_grads":
                 ctx.set_materialize_grads(op[1])
             else:
-                getattr(ctx, op[0])(*op[1])
+                getattr(ctx, op[0])(*[swap.get(id(t), t) for t in op[1]])
 
 
 class _Bridge(_Function):
@@ -220,13 +236,15 @@ class _Bridge(_Function):
         call.out_template = single
         call.out_types = [_Type.of(o) if isinstance(o, torch.Tensor) else None for o in outs]
         res = tuple(_phys(o) for o in outs)
+        staging.done(phys, res)
         return res[0] if single else res
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         call = inputs[0]
         ctx.call = call
-        call.staging.replay(ctx)  # (torch.func may set up several ctxs for one forward)
+        outputs = output if isinstance(output, tuple) else (output,)
+        call.staging.replay(ctx, inputs[1:], outputs)  # (torch.func may set up several ctxs for one forward)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -237,20 +255,28 @@ class _Bridge(_Function):
             for g, ty in zip(grads, call.out_types)
         ]
         proxy = _Ctx(ctx, call, None)
-        with context.reentered(body):
-            res = call.cls.backward(proxy, *sh)
+        backward = call.cls.backward
+        once = getattr(backward, "__code__", None) is _ONCE_DIFFERENTIABLE and hasattr(backward, "__wrapped__")
+        if once:  # (torch's wrapper would alias the body values it returns below autograd: done here instead)
+            backward = backward.__wrapped__
+        with context.reentered(body), torch.no_grad() if once else contextlib.nullcontext():
+            res = backward(proxy, *sh)
         if not isinstance(res, tuple):
             res = (res,)
-        if len(res) < len(call.template):  # torch allows extra trailing Nones, not fewer
+        n = len(call.template)
+        if len(res) < n or any(g is not None for g in res[n:]):  # torch allows extra trailing Nones only
             raise RuntimeError(
-                f"{call.cls.__name__}.backward returned {len(res)} gradients but forward took "
-                f"{len(call.template)} arguments."
+                f"{call.cls.__name__}.backward returned {len(res)} gradients but forward took {n} arguments "
+                f"(torch: an incorrect number of gradients, expected {n}). Fix: return one gradient per "
+                "forward argument (None for a non-tensor or non-differentiable one)."
             )
         out = []
         for (kind, v), g in zip(call.template, res):
             if kind != "t":
                 continue
             out.append(None if g is None else _grad_layout(call, v, g))
+        if once and torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
+            out = _once_differentiable(out)
         return (None, *out)
 
 
@@ -272,13 +298,45 @@ class _Bridge(_Function):
         return out[0] if call.out_template else tuple(out)
 
 
+_ONCE_DIFFERENTIABLE = torch.autograd.function.once_differentiable(lambda ctx: None).__code__
+
+
+def _once_differentiable(grads):
+    """`@once_differentiable`'s graph on the physical gradients (a double backward through them raises
+    torch's own error), as its wrapper builds it on a plain Function's."""
+    kept = [k for k, g in enumerate(grads) if g is not None]
+    if not kept:
+        return grads
+    err = torch._C._functions.DelayedError(
+        b"trying to differentiate twice a function that was marked with @once_differentiable", len(kept))
+    fake = []
+    for k in kept:
+        g = grads[k].detach()
+        g.requires_grad = True
+        fake.append(g)
+    outs = err(*fake)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = list(grads)
+    for k, g in zip(kept, outs):
+        grads[k] = g
+    return grads
+
+
 def _uses_setup_context(cls):
     return cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context
 
 
 def _grad_layout(call, i, g):
     """The physical cotangent of input `i` from what the user's backward returned."""
-    body, ty = call.body, call.in_types[i]
+    body, ty, shape = call.body, call.in_types[i], call.in_shapes[i]
+    if isinstance(g, torch.Tensor) and tuple(g.shape) != shape:
+        if not _expandable(shape, tuple(g.shape)):
+            raise RuntimeError(
+                f"{call.cls.__name__}.backward: the gradient of argument {i} has per-device shape "
+                f"{tuple(g.shape)}, but the argument has {shape} (mesh {body.describe()}). Fix: return a "
+                "gradient shaped like its argument's block."
+            )
+        g = g.sum_to_size(shape)  # (as autograd reduces a gradient its input broadcasts to)
     if isinstance(g, ShTensor):
         extra = g._vma - ty.vma
         if extra:
@@ -292,6 +350,13 @@ def _grad_layout(call, i, g):
         return expand_to(g._phys, g._paxes, ty.paxes, body.sizes)
     g = torch.as_tensor(g)
     return expand_to(g, (), ty.paxes, body.sizes)
+
+
+def _expandable(shape, to) -> bool:
+    """Whether a tensor of `shape` broadcasts to `to` (autograd then sums a gradient of `to` back)."""
+    if len(shape) > len(to):
+        return False
+    return all(a == b or a == 1 for a, b in zip(reversed(shape), reversed(to)))
 
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"].__func__

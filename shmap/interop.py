@@ -112,9 +112,11 @@ def _vjp_with_argnums(func, *primals, argnums=None, has_aux=False):
     sliced = primals if argnums is None else _ftrans._slice_argnums(primals, argnums, as_tuple=False)
     in_types = _to_phys(sliced)[1]
 
+    out_shapes = [getattr(v, "shape", None) for v in optree.tree_leaves(val, none_is_leaf=True)]
+
     def vjp_fn(cotangents, **kw):
         leaves, spec = optree.tree_flatten(cotangents, none_is_leaf=True)
-        phys = [_cotangent_layout(c, ty, body) for c, ty in zip(leaves, out_leaf_types)]
+        phys = [_cotangent_layout(c, ty, body, shape) for c, ty, shape in zip(leaves, out_leaf_types, out_shapes)]
         return _from_phys(pfn(optree.tree_unflatten(spec, phys), **kw), in_types, body)
 
     if has_aux:
@@ -122,15 +124,25 @@ def _vjp_with_argnums(func, *primals, argnums=None, has_aux=False):
     return val, vjp_fn
 
 
-def _cotangent_layout(c, ty, body):
+def _cotangent_layout(c, ty, body, shape=None, forward=False):
+    """The physical (co)tangent of a body value of type `ty` and per-device `shape` (vjp's cotangent
+    of an output; `forward`: jvp's tangent of a primal), checked in the body's terms."""
     if ty is None or not isinstance(c, torch.Tensor):
         return c
+    api, name, of = ("jvp", "tangent", "primal") if forward else ("vjp", "cotangent", "output")
+    if shape is not None and tuple(c.shape) != tuple(shape):  # (torch would compare the stacked shapes)
+        raise RuntimeError(
+            f"{api}: a {name} has per-device shape {tuple(c.shape)} but its {of} has {tuple(shape)} (mesh "
+            f"{body.describe()}). Fix: give each {name} its {of}'s per-device shape."
+        )
     if isinstance(c, ShTensor):
         if not c._vma <= ty.vma:
             raise VmaError(
-                f"vjp: a cotangent varies along {fmt_vma(c._vma, body.axes)} but its output is "
+                f"{api}: a {name} varies along {fmt_vma(c._vma, body.axes)} but its {of} is "
                 f"{'invariant' if not ty.vma else 'varying only along ' + fmt_vma(ty.vma, body.axes)} "
-                f"(mesh {body.describe()}). Fix: reduce the cotangent first, e.g. with shmap.psum."
+                f"(mesh {body.describe()}). Fix: "
+                + ("reduce the cotangent first, e.g. with shmap.psum." if not forward else
+                   f"make the {of} vary along those axes too (shmap.pvary), or pass an invariant {name}.")
             )
         return expand_to(c._phys, c._paxes, ty.paxes, body.sizes)
     return expand_to(c, (), ty.paxes, body.sizes)
@@ -142,8 +154,9 @@ def _jvp_with_argnums(func, primals, tangents, argnums=None, *, strict=False, ha
     body = _first_body(optree.tree_leaves((primals, tangents), none_is_leaf=True))
     pprim, types = _to_phys(tuple(primals))
     ptan = tuple(
-        _cotangent_layout(t, ty[0] if ty else None, body) if isinstance(t, torch.Tensor) else t
-        for t, ty in zip(tangents, [_to_phys(p)[1] for p in primals])
+        _cotangent_layout(t, ty[0] if ty else None, body, getattr(p, "shape", None), forward=True)
+        if isinstance(t, torch.Tensor) else t
+        for t, p, ty in zip(tangents, primals, [_to_phys(p)[1] for p in primals])
     )
     # A stride-0 layout (an unmapped input under check_vma=False is expanded over the devices) cannot
     # become a dual tensor ("more than one element ... refers to a single memory location"): own copies.
@@ -163,6 +176,19 @@ def _dense(t):
     return t.contiguous() if isinstance(t, torch.Tensor) and 0 in t.stride() else t
 
 
+def _in_range(func, d, rank, what="in_dim"):
+    """`d` as a dim of a rank-`rank` body value (negative counts from the end), or torch.vmap's error:
+    the device dims in front of the block must not turn an out-of-range dim into another one."""
+    if not isinstance(d, int) or not -rank <= d < rank:
+        name = getattr(func, "__name__", "func")
+        raise (ValueError if what == "in_dim" else IndexError)(  # (torch.vmap's types)
+            f"vmap({name}, ...): got {what}={d!r} for a body value of {rank} dimensions (its per-device "
+            f"block{', with the batch dimension' if what == 'out_dim' else ''}), so expected {what} to "
+            f"satisfy {-rank} <= {what} < {rank}. Fix: pass a dimension of the block, as for a plain tensor."
+        )
+    return d % rank
+
+
 def _vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs):
     if not _in_body(args, kwargs):
         return _ORIG_VMAP(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)
@@ -176,7 +202,7 @@ def _vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)
         dl = [d] * len(leaves) if not isinstance(d, (tuple, list, dict)) else optree.tree_leaves(
             d, none_is_leaf=True)
         ty = [_Type.of(x) if isinstance(x, ShTensor) else None for x in leaves]
-        pd = [None if dd is None else (dd % x.dim() if isinstance(x, ShTensor) else dd) + (
+        pd = [None if dd is None else (_in_range(func, dd, x.dim()) if isinstance(x, ShTensor) else dd) + (
             len(t.paxes) if t is not None else 0) for x, dd, t in zip(leaves, dl, ty)]
         pargs.append(optree.tree_unflatten(spec, [_phys(x) for x in leaves]))
         flat_dims.append(optree.tree_unflatten(spec, pd))
@@ -206,7 +232,7 @@ def _vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)
             continue
         n = len(ty.paxes) if ty is not None else 0
         logical_rank = x.dim() - n  # includes the new batch dim (now at physical dim 0)
-        x = x.movedim(0, n + (d % logical_rank))
+        x = x.movedim(0, n + _in_range(func, d, logical_rank, "out_dim"))
         final.append(ty.wrap(x, body) if ty is not None else x)
     return optree.tree_unflatten(spec, final)
 

@@ -261,11 +261,17 @@ def _check_spec_uncached(spec, path, shape, mesh, manual, fname, *, what, split)
         if axes and shape[d] % n:
             sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in axes)
             raise SpecError(
-                f"shard_map({fname}) {path}: dimension {d} of {what} has size {shape[d]}, which is not "
+                f"shard_map({fname}) {path}: dimension {d} of {what} has size {_size(shape[d])}, which is not "
                 f"divisible by {n}, the product of the sizes of mesh axes {axes} ({sizes}) that {spec} "
                 f"splits it over (mesh {mesh.describe()}). Fix: make dimension {d} a multiple of {n}, or "
                 "split it over fewer axes."
             )
+
+
+def _size(n) -> str:
+    """A dimension's size for a message: a symbolic one (torch.compile's dynamic shapes) with its value."""
+    hint = getattr(getattr(n, "node", None), "hint", None) if isinstance(n, torch.SymInt) else None
+    return f"{hint} (symbolic {n} under torch.compile)" if hint is not None else str(n)
 
 
 def _enter(path, value, spec, body, mesh, fname, what):

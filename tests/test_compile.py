@@ -341,3 +341,14 @@ def test_jacrev_and_hessian_of_a_shard_mapped_function_compile():
             got = compiled(w, x)
         torch.testing.assert_close(got, want)
         assert got_log.summary() == want_log.summary() and got_log.summary()
+
+
+def test_an_indivisible_symbolic_size_is_named_by_its_value():
+    """Under dynamic shapes the spec check sees a symbolic size: the message gives its value (it said `s33`)."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    f = torch.compile(shmap.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i")),
+                      backend="eager", dynamic=True)
+    f(torch.randn(8))
+    with pytest.raises(Exception, match=r"has size 10 \(symbolic s\d+ under torch.compile\), which is not "
+                                        r"divisible by 4"):  # (Dynamo wraps the SpecError it met)
+        f(torch.randn(10))

@@ -208,3 +208,18 @@ def test_shmap_train_device_cuda_end_to_end(tmp_path):
     losses = lambda rows: [r["train_loss"] for r in rows if "train_loss" in r]  # noqa: E731
     assert losses(resumed) == losses(straight) and len(losses(straight)) == 6
     assert losses(whole) == losses(straight)[:4]
+
+
+# --- the distributed backend over NCCL ---------------------------------------------------------
+def test_distributed_mesh_over_nccl_equals_the_simulated_mesh_on_the_gpu():
+    """One NCCL process (one GPU runs no two NCCL ranks): the distributed backend's boundary,
+    collectives' call paths, guard and jit replay on CUDA give the simulated mesh's values,
+    gradients and comm_log (tests/distributed/dist_nccl.py)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
+    import dist_nccl
+
+    (log,) = shmap.spawn(dist_nccl.one_process_nccl, nprocs=1, backend="nccl", timeout=120)
+    assert log == {"psum": 4, "all_gather": 2, "psum_scatter": 2, "ppermute": 2, "all_to_all": 2, "pmax": 1}

@@ -460,3 +460,184 @@ def test_forward_mode_inside_an_unchecked_body_on_an_unmapped_input():
     for name, (body, want) in bodies.items():
         got = shmap.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(w)
         torch.testing.assert_close(got, want, msg=name)
+
+
+# --- torch.func through custom Functions: the transform's own tensors are saved --------------------
+class _CubeSC(torch.autograd.Function):
+    """x**3 in setup_context form, saving its input (torch.func's form)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x ** 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class _ExpSC(torch.autograd.Function):
+    """exp in setup_context form, saving its output."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * g
+
+
+class _Triple(torch.autograd.Function):
+    """An in-place forward (`mark_dirty`)."""
+
+    @staticmethod
+    def forward(x):
+        return x.mul_(3)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * g
+
+
+@pytest.mark.parametrize("fn, ref", [(_CubeSC, lambda x: x ** 3), (_ExpSC, torch.exp)], ids=["input", "output"])
+def test_second_order_torch_func_through_a_custom_function_saves_the_transforms_tensors(fn, ref):
+    """grad(grad(.)) and jacrev(jacrev(.)) through a Function that saves its input or output: the saved
+    tensor must be the transform's own (setup_context's), or its dependence on x is lost (the second
+    derivative silently missed the term through it). Against the same math without the Function."""
+    x = torch.randn(8, dtype=torch.float64) / 2
+
+    def plain(f):
+        return lambda x: torch.sin(f(x)).sum()
+
+    def sharded(f):
+        return shmap.shard_map(lambda x: shmap.psum(plain(f)(x), "i"), mesh=MESH, in_specs=P("i"), out_specs=P())
+
+    def inner(f):  # the transforms inside the body, on the block
+        return shmap.shard_map(lambda x: torch.func.grad(lambda y: torch.func.grad(plain(f))(y).sum())(x),
+                               mesh=MESH, in_specs=P("i"), out_specs=P("i"))
+
+    gg = lambda F: torch.func.grad(lambda y: torch.func.grad(F)(y).sum())(x)  # noqa: E731
+    want = gg(plain(ref))
+    torch.testing.assert_close(gg(plain(fn.apply)), want)  # (torch itself, as the reference's check)
+    torch.testing.assert_close(gg(sharded(fn.apply)), want)
+    torch.testing.assert_close(inner(fn.apply)(x), want)
+    hess = torch.func.jacrev(torch.func.jacrev(sharded(fn.apply)))(x)
+    torch.testing.assert_close(hess, torch.func.jacrev(torch.func.jacrev(plain(ref)))(x))
+
+
+def test_a_mark_dirty_function_under_torch_func():
+    """An in-place Function under grad, around the call and in the body: torch.func requires mark_dirty of
+    setup_context's (wrapped) input, which shmap's replay passed unwrapped ("marked as dirty ... not
+    returned as output")."""
+    x = torch.randn(8, dtype=torch.float64)
+    f = shmap.shard_map(lambda x: shmap.psum(_Triple.apply(x * 1).sum(), "i"), mesh=MESH, in_specs=P("i"),
+                        out_specs=P())
+    torch.testing.assert_close(torch.func.grad(f)(x), torch.full((8,), 3.0, dtype=torch.float64))
+    g = shmap.shard_map(lambda x: torch.func.grad(lambda r: _Triple.apply(r * 1).sum())(x), mesh=MESH,
+                        in_specs=P("i"), out_specs=P("i"))
+    torch.testing.assert_close(g(x), torch.full((8,), 3.0, dtype=torch.float64))
+
+
+class _OnceExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+
+def test_once_differentiable_backward_under_create_graph_is_torchs():
+    """create_graph=True through an `@once_differentiable` backward: the first-order gradient, and a
+    second backward raises torch's own error (its wrapper aliased body values below autograd: an
+    internal error)."""
+    x = torch.randn(8, dtype=torch.float64)
+    f = shmap.shard_map(lambda x: shmap.psum((_OnceExp.apply(x) ** 2).sum(), "i"), mesh=MESH, in_specs=P("i"),
+                        out_specs=P())
+    for fn in ((lambda x: (_OnceExp.apply(x) ** 2).sum()), f):
+        xr = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fn(xr), xr, create_graph=True)
+        torch.testing.assert_close(g, 2 * (2 * x).exp())
+        with pytest.raises(RuntimeError, match="differentiate twice a function that was marked"):
+            g.sum().backward()
+
+
+class _TooMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
+
+
+class _WrongShape(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.sum(0)
+
+
+def test_a_custom_backward_with_extra_or_misshapen_gradients_is_refused_in_the_bodys_terms():
+    x = torch.randn(8, 4, requires_grad=True)
+    for cls, match in [(_TooMany, r"_TooMany.backward returned 2 gradients but forward took 1 arguments"),
+                       (_WrongShape, r"_WrongShape.backward: the gradient of argument 0 has per-device shape "
+                                     r"\(4,\), but the argument has \(2, 4\)")]:
+        with pytest.raises(RuntimeError, match=match):
+            shmap.shard_map(cls.apply, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x).sum().backward()
+        with pytest.raises(RuntimeError):  # torch refuses both too
+            cls.apply(x).sum().backward()
+
+
+def test_vmap_in_a_body_refuses_out_of_range_dims():
+    """in_dims / out_dims are dims of the block: out of range is torch's error, not a dim modulo the rank
+    (in_dims=5 on a 2-d block mapped over dim 1)."""
+    x = torch.arange(16.0).reshape(8, 2)
+    for kw, exc, match in [({"in_dims": 5}, ValueError, r"in_dim=5 .* -2 <= in_dim < 2"),
+                           ({"in_dims": -3}, ValueError, r"in_dim=-3"),
+                           ({"out_dims": 2}, IndexError, r"out_dim=2 .* -2 <= out_dim < 2")]:
+        g = shmap.shard_map(lambda x, kw=kw: torch.func.vmap(lambda r: r * 1, **kw)(x), mesh=MESH,
+                            in_specs=P("i"), out_specs=P("i"))
+        with pytest.raises(exc, match=match):
+            g(x)
+    g = shmap.shard_map(lambda x: torch.func.vmap(lambda r: r.sum(), in_dims=-1)(x), mesh=MESH, in_specs=P("i"),
+                        out_specs=P("i"))
+    torch.testing.assert_close(g(x), x.reshape(4, 2, 2).sum(1).reshape(8))  # (each block's columns summed)
+
+
+def test_vjp_and_jvp_in_a_body_name_per_device_shapes_and_their_own_terms():
+    with pytest.raises(RuntimeError, match=r"vjp: a cotangent has per-device shape \(3,\) but its output has \(2,\)"):
+        shmap.shard_map(lambda x: torch.func.vjp(lambda v: v * 2, x)[1](torch.ones(3))[0], mesh=MESH,
+                        in_specs=P("i"), out_specs=P("i"))(torch.randn(8))
+    with pytest.raises(RuntimeError, match=r"jvp: a tangent has per-device shape \(3,\) but its primal has \(2,\)"):
+        shmap.shard_map(lambda x: torch.func.jvp(torch.sin, (x,), (torch.ones(3),))[1], mesh=MESH,
+                        in_specs=P("i"), out_specs=P("i"))(torch.randn(8))
+    with pytest.raises(shmap.VmaError, match=r"jvp: a tangent varies along \{'i'\} but its primal is invariant"):
+        shmap.shard_map(lambda w, x: torch.func.jvp(torch.sin, (w,), (x,))[1], mesh=MESH, in_specs=(P(), P("i")),
+                        out_specs=P("i"))(torch.randn(2), torch.randn(8))
