@@ -607,8 +607,8 @@ class _WrongShape(torch.autograd.Function):
 def test_a_custom_backward_with_extra_or_misshapen_gradients_is_refused_in_the_bodys_terms():
     x = torch.randn(8, 4, requires_grad=True)
     for cls, match in [(_TooMany, r"_TooMany.backward returned 2 gradients but forward took 1 arguments"),
-                       (_WrongShape, r"_WrongShape.backward: the gradient of argument 0 has per-device shape "
-                                     r"\(4,\), but the argument has \(2, 4\)")]:
+                       (_WrongShape, (r"_WrongShape.backward: the gradient of argument 0 has per-device shape "
+                                      r"\(4,\), but the argument has \(2, 4\)"))]:
         with pytest.raises(RuntimeError, match=match):
             shmap.shard_map(cls.apply, mesh=MESH, in_specs=P("i"), out_specs=P("i"))(x).sum().backward()
         with pytest.raises(RuntimeError):  # torch refuses both too
