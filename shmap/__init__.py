@@ -39,6 +39,7 @@ from .errors import (
 from .mesh import Mesh, P, PartitionSpec, make_mesh
 from .shard_map import shard_map
 from . import interop  # noqa: F401  (autograd.Function and torch.func on body values)
+from . import remat  # noqa: F401  (torch.utils.checkpoint in a compiled body: the compiler recomputes)
 from .pmap import pmap
 from .jit import JitError, jit
 from .backends.watchdog import (

@@ -339,3 +339,40 @@ def test_keep_freed_memory_keeps_a_steps_blocks_in_the_heap():
     assert kept["kept"] is True
     assert kept["mmapped"] < 16 << 20  # from the heap ...
     assert kept["heap_after"] >= kept["heap_during"] >= 16 << 20  # ... which keeps it for the next step
+
+
+def test_remat_keeps_its_memory_saving_when_compiled(monkeypatch):
+    """`--remat --compile`: the compiled backward recomputes each layer (shmap/remat.py), so the step keeps
+    for its backward about what the eager remat step keeps; before, the compiled program kept every
+    activation (what `--compile` alone keeps), silently.  Losses equal the eager step's."""
+    import functools
+
+    import optree
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+    def saved(remat, compile_):
+        run = loop.Run(tiny("fsdp=2,tensor=2", remat=remat, compile=compile_))
+        params, _ = run.fresh_state()
+        leaves, treedef = optree.tree_flatten(params)
+        leaves = [p.requires_grad_() for p in leaves]
+        out = []
+        for k in range(2):  # (the first call compiles)
+            storages = {}
+
+            def pack(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = run.loss(optree.tree_unflatten(treedef, leaves), run.batch(k))
+            torch.autograd.grad(loss, leaves)
+            out.append(float(loss))
+        return sum(storages.values()), out
+
+    kept, losses = saved(False, True)
+    kept_remat, losses_remat = saved(True, True)
+    eager_remat, losses_eager = saved(True, False)
+    assert kept_remat * 2 < kept, (kept_remat, kept)
+    assert kept_remat <= 1.5 * eager_remat, (kept_remat, eager_remat)
+    assert losses_remat == pytest.approx(losses_eager, rel=1e-12) and losses == pytest.approx(losses_eager, rel=1e-12)
