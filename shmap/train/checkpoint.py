@@ -71,8 +71,9 @@ def _unreadable(path, e) -> ConfigError:
                        f"{str(e).splitlines()[0] if str(e) else 'no detail'}). Fix: {fix}.")
 
 
-def save(directory, cfg: Config, step: int, params, opt) -> Path:
-    """Write a checkpoint of the state after `step` steps; returns its directory."""
+def save(directory, cfg: Config, step: int, params, opt, last_loss: float | None = None) -> Path:
+    """Write a checkpoint of the state after `step` steps; returns its directory.  `last_loss`: step
+    `step - 1`'s training loss, as metrics.jsonl records it (a resume checks its --out against it)."""
     d = Path(directory)
     final = d / f"step_{step:08d}"
     tmp = d / f"step_{step:08d}.tmp"
@@ -87,6 +88,8 @@ def save(directory, cfg: Config, step: int, params, opt) -> Path:
     if _is_main():
         meta = {"step": step, "data_position": step, "seed": cfg.seed, "model": cfg.model_shape(),
                 "mesh": cfg.describe_mesh(), "dtype": cfg.dtype, "run": run_settings(cfg)}
+        if last_loss is not None:
+            meta["train_loss"] = last_loss
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)

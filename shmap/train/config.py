@@ -157,18 +157,25 @@ def validate(cfg: Config) -> Config:
     need(cfg.batch_size % batch == 0,
          f"--batch-size {cfg.batch_size} is not divisible by data*fsdp = {batch} (--mesh {cfg.describe_mesh()}): "
          f"the batch is split over those axes. Fix: --batch-size {_multiple(cfg.batch_size, batch)}.")
-    need(cfg.heads % tensor == 0,
-         f"--heads {cfg.heads} is not divisible by tensor = {tensor} (--mesh {cfg.describe_mesh()}): tensor "
-         f"parallelism splits the heads. Fix: --heads {_multiple(cfg.heads, tensor)} or a tensor size dividing "
-         f"{cfg.heads}.")
+    if cfg.heads % tensor:  # (a suggested head count must also divide --embed-dim, checked above)
+        fits = [h for h in range(tensor, cfg.embed_dim + 1, tensor) if cfg.embed_dim % h == 0]
+        heads = f"--heads {min(fits, key=lambda h: abs(h - cfg.heads))} (it divides --embed-dim {cfg.embed_dim}) " \
+            if fits else ""
+        need(False, f"--heads {cfg.heads} is not divisible by tensor = {tensor} (--mesh {cfg.describe_mesh()}): "
+                    f"tensor parallelism splits the heads. Fix: {heads}{'or ' if heads else ''}a tensor size dividing "
+                    f"{cfg.heads}.")
     need(cfg.mlp_dim % tensor == 0,
          f"--mlp-dim {cfg.mlp_dim} is not divisible by tensor = {tensor} (--mesh {cfg.describe_mesh()}): tensor "
          f"parallelism splits the MLP hidden units. Fix: --mlp-dim {_multiple(cfg.mlp_dim, tensor)}.")
-    for what, n in (("--embed-dim", cfg.embed_dim), ("--mlp-dim", cfg.mlp_dim), ("the vocabulary (256)",
-                                                                               cfg.vocab_size)):
-        need(n % fsdp == 0,
+    for what, n, also in (("--embed-dim", cfg.embed_dim, cfg.heads), ("--mlp-dim", cfg.mlp_dim, tensor)):
+        need(n % fsdp == 0,  # (the suggestion also keeps the rule checked above: heads, resp. tensor, divide it)
              f"{what} {n} is not divisible by fsdp = {fsdp} (--mesh {cfg.describe_mesh()}): FSDP shards the "
-             f"weights along that dimension. Fix: a multiple of {fsdp}, or a smaller fsdp axis.")
+             f"weights along that dimension. Fix: {what} {_multiple(n, math.lcm(fsdp, also))}, or a smaller fsdp "
+             "axis.")
+    need(cfg.vocab_size % fsdp == 0,
+         f"the vocabulary size {cfg.vocab_size} (bytes) is not divisible by fsdp = {fsdp} (--mesh "
+         f"{cfg.describe_mesh()}): FSDP shards the embedding along it. Fix: an fsdp size dividing "
+         f"{cfg.vocab_size}, e.g. fsdp={_divisor(cfg.vocab_size, fsdp)}.")
     need(cfg.top_k >= 0 and math.isfinite(cfg.temperature) and cfg.temperature >= 0,
          f"--top-k {cfg.top_k} and --temperature {cfg.temperature}: must be >= 0 (the temperature finite).")
     return cfg

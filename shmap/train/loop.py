@@ -83,6 +83,8 @@ class Run:
         opt = optim.adam_init(params)
         return self._place(params, self.specs), self._place(opt, {"mu": self.specs, "nu": self.specs})
 
+    resumed_loss = None  # the checkpoint's record of its last step's training loss (init_or_resume)
+
     def init_or_resume(self, log=print):
         """(params, opt, first step): fresh, or from the latest checkpoint when --resume."""
         params, opt = self.fresh_state()
@@ -99,6 +101,7 @@ class Run:
             raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir}. Fix: check the "
                               "directory, or drop --resume to start a new run.")
         meta = checkpoint.check_compatible(cfg, path)
+        self.resumed_loss = meta.get("train_loss")
         params, opt = checkpoint.load(path, params, opt)
         log(f"resumed from {path} (step {meta['step']}, saved on mesh {meta['mesh']})")
         changed = checkpoint.changed_settings(cfg, meta)
@@ -196,8 +199,11 @@ def train(cfg: Config, log=print) -> dict:
     check_output_dirs(cfg)
     params, opt, start = run.init_or_resume(log)
     out = Path(cfg.out) if cfg.out else None
-    if out is not None and main_rank:
-        keep_metrics_before(out / "metrics.jsonl", start, cfg.steps)  # a resumed run rewrites what came after
+    # A run interrupted during an evaluation saved its state without that evaluation's line: a run resumed
+    # where an evaluation is due evaluates there first (every rank: evaluating communicates).
+    evaluate_start = bool(cfg.eval_every) and 0 < start < cfg.steps and start % cfg.eval_every == 0
+    if out is not None and main_rank:  # a resumed run rewrites what came after
+        keep_metrics_before(out / "metrics.jsonl", start, cfg.steps, evaluate_start, run.resumed_loss)
     bar = None
     if cfg.progress and main_rank:
         from tqdm.auto import tqdm
@@ -212,6 +218,10 @@ def train(cfg: Config, log=print) -> dict:
     if stop is not None:
         stop.start()
     try:
+        if evaluate_start:
+            val = run.evaluate(params)
+            writer.write({"step": start, "val_loss": val})
+            log(f"val {val:.4f} (after {start} steps)")
         t_prev = time.perf_counter()
         for step in range(start, cfg.steps):
             params, opt, metrics = run.step(params, opt, step)
@@ -236,14 +246,14 @@ def train(cfg: Config, log=print) -> dict:
                 t_prev = time.perf_counter()
             if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 writer.flush()  # never checkpoint a state whose loss was not finite
-                last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, done, params, opt)
+                last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, done, params, opt, _last_loss(writer))
                 t_prev = time.perf_counter()
             if stop is not None and stop.after_step():  # every rank, after the same step
                 raise KeyboardInterrupt
         writer.flush()
         step = cfg.steps
         if cfg.checkpoint_dir and (last_saved is None or checkpoint.read_meta(last_saved)["step"] != cfg.steps):
-            last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, cfg.steps, params, opt)
+            last_saved = checkpoint.save(cfg.checkpoint_dir, cfg, cfg.steps, params, opt, _last_loss(writer))
         val = run.evaluate(params)
         writer.write({"step": cfg.steps, "val_loss": val})
         result["final_val_loss"] = val
@@ -268,7 +278,7 @@ def train(cfg: Config, log=print) -> dict:
             except NonFiniteLossError as e:
                 log(f"\ninterrupted: {e}, so that state is not saved (the last good checkpoint is {last_saved})")
                 raise interrupt from None
-            path = checkpoint.save(cfg.checkpoint_dir, cfg, completed, params, opt)
+            path = checkpoint.save(cfg.checkpoint_dir, cfg, completed, params, opt, _last_loss(writer))
             log(f"\ninterrupted: saved the state after {completed} steps to {path}; continue with --resume")
         raise
     finally:
@@ -286,6 +296,14 @@ def train(cfg: Config, log=print) -> dict:
             + f" (final validation loss {result['final_val_loss']:.4f} nats/byte)")
         raise
     return result
+
+
+def _last_loss(writer):
+    """The last training loss the writer read back (step `completed - 1`'s, once flushed), or None."""
+    for rec in reversed(writer.history):
+        if "train_loss" in rec:
+            return rec["train_loss"]
+    return None
 
 
 def _finish(cfg: Config, run: Run, params, result, out, main_rank, log):

@@ -127,17 +127,28 @@ def check_output_dirs(cfg: Config):
                           "--checkpoint-dir it saved its checkpoints in.")
 
 
-def keep_metrics_before(path: Path, start: int, end: int | None = None):
+def keep_metrics_before(path: Path, start: int, end: int | None = None, evaluates_start=False,
+                        last_loss: float | None = None, flag="--out"):
     """Keep the lines of an earlier run's metrics before the step this one starts from (none, fresh): its
     training lines before `start`, its validation lines up to it (the state after `start` steps, which the
-    resumed run does not evaluate again, unless it is the run's last, `end`: its final evaluation writes
-    that line again).  A partial last line (a crash mid-write) is dropped."""
-    if end is not None and start >= end:
+    resumed run does not evaluate again, unless it is the run's last, `end`, or `evaluates_start`: the
+    resumed run then writes that line again).  A partial last line (a crash mid-write) is dropped.
+
+    `last_loss`: the checkpoint's record of step `start - 1`'s training loss.  Lines of another run (an
+    --out that run did not write) are refused, not cut down and mixed with this one's."""
+    if (end is not None and start >= end) or evaluates_start:
         start_val = start - 1  # (a finished run resumed: its final validation line comes again)
     else:
         start_val = start
     if not path.exists():
         return
+    if last_loss is not None and start:
+        theirs = [r.get("train_loss") for r in _records(path) if r.get("step") == start - 1 and "train_loss" in r]
+        if theirs and theirs[-1] != last_loss:
+            raise ConfigError(
+                f"{flag}: {path} holds another run's metrics (its step {start - 1} trained to loss {theirs[-1]}, the "
+                f"resumed run's to {last_loss}); resuming would cut them down and mix the two runs. Fix: the "
+                f"{flag} the resumed run wrote, or another (or an emptied) {flag}.")
     kept = []
     for line in path.read_text().splitlines() if start else ():
         try:
@@ -148,6 +159,18 @@ def keep_metrics_before(path: Path, start: int, end: int | None = None):
         if step < start or ("val_loss" in rec and step <= start_val):
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def _records(path: Path) -> list:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def read_history(path: Path) -> list:

@@ -92,3 +92,41 @@ def test_only_step_numbers_count_as_checkpoints_newest_by_number(saved, tmp_path
     shutil.copytree(d / "c" / "step_00000003", ck / "step_10")       # numerically newer than 00000003
     assert checkpoint.latest(ck).name == "step_10"
     assert checkpoint.previous(ck / "step_10").name == "step_00000003"
+
+
+def _lines(path):
+    import json
+
+    return [{k: v for k, v in json.loads(x).items() if k != "tokens_per_s"} for x in path.read_text().splitlines()]
+
+
+def test_a_run_stopped_during_an_evaluation_resumes_with_that_evaluation(tmp_path):
+    """Ctrl-C during the evaluation after step 4 saved the state after 4 steps but no val line for it; the
+    resumed run evaluates there first, so its metrics.jsonl equals the uninterrupted run's."""
+    straight = tmp_path / "straight"
+    loop.train(tiny("data=2", steps=8, eval_every=4, out=str(straight)), log=lambda *a: None)
+    ck, out = tmp_path / "c", tmp_path / "out"
+    loop.train(tiny("data=2", steps=8, eval_every=4, out=str(out), checkpoint_dir=str(ck), checkpoint_every=4),
+               log=lambda *a: None)
+    shutil.rmtree(ck / "step_00000008")  # as the interrupted run left them: the state after 4 steps,
+    lines = _lines(out / "metrics.jsonl")  # and steps 0-3's training lines, no evaluation of the state after 4
+    (out / "metrics.jsonl").write_text("".join(
+        __import__("json").dumps(r) + "\n" for r in lines if r["step"] < 4 and "train_loss" in r))
+    loop.train(tiny("data=2", steps=8, eval_every=4, out=str(out), checkpoint_dir=str(ck), resume=True),
+               log=lambda *a: None)
+    assert _lines(out / "metrics.jsonl") == _lines(straight / "metrics.jsonl")
+
+
+def test_resume_refuses_an_out_holding_another_runs_metrics(saved, tmp_path):
+    """--resume into an --out another run wrote: refused, its metrics intact (it cut them down to the
+    checkpoint's step and appended this run's)."""
+    d, _ = saved
+    other = tmp_path / "other"
+    loop.train(tiny("fsdp=4", steps=6, seed=7, out=str(other)), log=lambda *a: None)
+    before = (other / "metrics.jsonl").read_text()
+    ck = tmp_path / "c"
+    shutil.copytree(d / "c" / "step_00000003", ck / "step_00000003")
+    with pytest.raises(ConfigError, match=r"--out: .*metrics.jsonl holds another run's metrics \(its step 2 trained "
+                                          r"to loss .*, the resumed run's to .*\)"):
+        loop.train(tiny("fsdp=4", steps=6, checkpoint_dir=str(ck), resume=True, out=str(other)), log=lambda *a: None)
+    assert (other / "metrics.jsonl").read_text() == before

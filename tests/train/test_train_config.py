@@ -33,7 +33,13 @@ def test_bad_mesh_flags_name_the_flag_and_the_fix(text, words):
 
 
 @pytest.mark.parametrize("mesh, kw, words", [
-    ("tensor=3", dict(heads=4, mlp_dim=66), ["--heads 4 is not divisible by tensor = 3", "Fix: --heads 6"]),
+    # (a suggested head count divides --embed-dim too: --heads 6 would not divide 32, the next error)
+    ("tensor=3", dict(heads=4, mlp_dim=66), ["--heads 4 is not divisible by tensor = 3", "Fix: a tensor size "
+                                             "dividing 4"]),
+    ("tensor=3", dict(heads=4, mlp_dim=66, embed_dim=48), ["Fix: --heads 3 (it divides --embed-dim 48)"]),
+    ("fsdp=2", dict(heads=3, embed_dim=33), ["--embed-dim 33 is not divisible by fsdp = 2", "Fix: --embed-dim 36,"]),
+    ("fsdp=3", dict(batch_size=9, embed_dim=36, mlp_dim=66), ["the vocabulary size 256 (bytes) is not divisible by "
+                                                              "fsdp = 3", "Fix: an fsdp size dividing 256, e.g. fsdp=2"]),
     ("tensor=4", dict(mlp_dim=66), ["--mlp-dim 66 is not divisible by tensor = 4", "Fix: --mlp-dim 68"]),
     ("data=3", dict(), ["--batch-size 8 is not divisible by data*fsdp = 3", "Fix: --batch-size 9"]),
     ("fsdp=3", dict(batch_size=9), ["--embed-dim 32 is not divisible by fsdp = 3"]),
