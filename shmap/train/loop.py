@@ -98,8 +98,11 @@ class Run:
             return params, opt, 0
         path = checkpoint.latest(cfg.checkpoint_dir)
         if path is None:
-            raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir}. Fix: check the "
-                              "directory, or drop --resume to start a new run.")
+            one = (Path(cfg.checkpoint_dir) / "meta.json").is_file()  # (a checkpoint itself, not the directory)
+            raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir}"
+                              + (f", which is one checkpoint. Fix: --checkpoint-dir {Path(cfg.checkpoint_dir).parent}"
+                                 " (the run's directory: --resume takes its latest checkpoint)." if one else
+                                 ". Fix: check the directory, or drop --resume to start a new run."))
         meta = checkpoint.check_compatible(cfg, path)
         self.resumed_loss = meta.get("train_loss")
         params, opt = checkpoint.load(path, params, opt)
@@ -398,6 +401,13 @@ def _say_error(e: Exception):
     print(msg if rank == 0 else f"shmap-train (rank {rank}): error: {e}", file=sys.stderr)
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed (Python's MemoryError, or a torch allocator's error)."""
+    text = str(e)
+    return isinstance(e, MemoryError) or any(w in text for w in ("can't allocate memory", "out of memory",
+                                                                 "not enough memory"))
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     keep_freed_memory()
@@ -414,6 +424,15 @@ def main(argv=None) -> int:
         code = 1 if isinstance(e, NonFiniteLossError) else 2
     except KeyboardInterrupt as e:  # (torchrun passes Ctrl-C to every rank)
         code = 143 if isinstance(e, Terminated) else 130
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        _say_error(ConfigError(
+            f"out of memory ({str(e).splitlines()[0][:160] or type(e).__name__}): this run's model, batch or "
+            f"validation set does not fit (--layers {cfg.layers}, --embed-dim {cfg.embed_dim}, --mlp-dim "
+            f"{cfg.mlp_dim}, --batch-size {cfg.batch_size}, --seq-len {cfg.seq_len}, --eval-batches "
+            f"{cfg.eval_batches}). Fix: smaller sizes."))
+        code = 1
     finally:
         if alone:
             signal.signal(signal.SIGTERM, previous)

@@ -130,3 +130,10 @@ def test_resume_refuses_an_out_holding_another_runs_metrics(saved, tmp_path):
                                           r"to loss .*, the resumed run's to .*\)"):
         loop.train(tiny("fsdp=4", steps=6, checkpoint_dir=str(ck), resume=True, out=str(other)), log=lambda *a: None)
     assert (other / "metrics.jsonl").read_text() == before
+
+
+def test_resume_from_one_checkpoints_directory_names_the_runs(saved):
+    d, _ = saved
+    one = d / "c" / "step_00000003"
+    with pytest.raises(ConfigError, match=rf"which is one checkpoint. Fix: --checkpoint-dir {d / 'c'} "):
+        loop.train(tiny("fsdp=4", steps=6, checkpoint_dir=str(one), resume=True), log=lambda *a: None)

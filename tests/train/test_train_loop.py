@@ -376,3 +376,26 @@ def test_remat_keeps_its_memory_saving_when_compiled(monkeypatch):
     assert kept_remat * 2 < kept, (kept_remat, kept)
     assert kept_remat <= 1.5 * eager_remat, (kept_remat, eager_remat)
     assert losses_remat == pytest.approx(losses_eager, rel=1e-12) and losses == pytest.approx(losses_eager, rel=1e-12)
+
+
+def test_a_run_that_does_not_fit_in_memory_says_so_naming_the_sizes(monkeypatch, capsys):
+    """An allocation failure (here: the first batch's) is a message naming the size flags, exit status 1,
+    not a traceback from torch's allocator."""
+    def fail(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 8000000000 bytes.")
+
+    monkeypatch.setattr(loop.Run, "batch", fail)
+    assert loop.main(TINY_FLAGS + ["--mesh", "none", "--steps", "1", "--sample-len", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "shmap-train: error: out of memory (" in err and "--batch-size 8, --seq-len 16" in err
+    assert "Fix: smaller sizes." in err
+
+
+def test_other_runtime_errors_still_propagate(monkeypatch):
+    def fail(*a, **k):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(loop.Run, "batch", fail)
+    with pytest.raises(RuntimeError, match="something else"):
+        loop.main(TINY_FLAGS + ["--mesh", "none", "--steps", "1", "--sample-len", "0"])
