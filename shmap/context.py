@@ -99,7 +99,7 @@ def body_for_axes(api: str, axes: tuple, hint: Body | None = None) -> Body:
                 return body
     bound = s[-1].axes if s else ()
     missing = [a for a in axes if not (s and a in s[-1].sizes)]
-    raise unbound_axis(api, missing[0] if missing else axes[0], bound)
+    raise unbound_axis(api, missing[0] if missing else axes[0], bound, s[-1].kind if s else "shard_map")
 
 
 def in_backward() -> bool:

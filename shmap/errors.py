@@ -79,16 +79,23 @@ def fmt_vma(vma, order=None) -> str:
     return "{" + ", ".join(repr(a) for a in vma) + "}"
 
 
-def unbound_axis(api: str, name, bound) -> UnboundAxisError:
-    where = (
-        f"the enclosing shard_map binds {tuple(bound)}"
-        if bound
-        else "no shard_map body is running (collectives only work inside one)"
-    )
+def unbound_axis(api: str, name, bound, kind="shard_map") -> UnboundAxisError:
+    """`name` is bound by no running body.  (`kind`: the innermost body's, "shard_map" or "pmap"; a pmap
+    without an axis_name binds an anonymous axis, which no collective can name: it is not listed.)"""
+    named = tuple(a for a in bound if not (isinstance(a, str) and a.startswith("_pmap")))
+    anonymous = len(named) < len(bound)
+    if not bound:
+        return UnboundAxisError(
+            f"{api}: axis name {name!r} is not bound: no shard_map or pmap body is running (collectives only "
+            f"work inside one). Fix: call {api} inside shmap.shard_map(f, mesh=..., ...) whose mesh has an axis "
+            f"named {name!r}, or inside shmap.pmap(f, axis_name={name!r})."
+        )
+    where = (f"the enclosing {kind} binds {named}" if named else f"the enclosing {kind} binds no named axis")
+    where += " (and an anonymous pmap axis: give that pmap axis_name=... to use it)" if anonymous else ""
     return UnboundAxisError(
-        f"{api}: axis name {name!r} is not bound: {where}. "
-        f"Fix: use one of the bound names, or call {api} inside "
-        f"shmap.shard_map(f, mesh=..., ...) whose mesh has an axis named {name!r}."
+        f"{api}: axis name {name!r} is not bound: {where}. Fix: use one of the bound names, or call {api} "
+        + (f"inside shmap.pmap(f, axis_name={name!r})." if kind == "pmap" else
+           f"inside shmap.shard_map(f, mesh=..., ...) whose mesh has an axis named {name!r}.")
     )
 
 

@@ -281,6 +281,20 @@ def _is_int(ax) -> bool:
     return isinstance(ax, int) and not isinstance(ax, bool)
 
 
+def _structure(value) -> str:
+    """A pytree's structure without its data (`*` a leaf): messages must not print every device's values."""
+    text = str(optree.tree_structure(value, none_is_leaf=True))
+    return text.removeprefix("PyTreeSpec(").removesuffix(")").removesuffix(", NoneIsLeaf")
+
+
+def _reason(e) -> str:
+    """optree's reason for a prefix mismatch, without the subtree it prints (the data)."""
+    import re
+
+    return re.split(r"; (?:tuple|list|dict|namedtuple|OrderedDict|defaultdict|deque|structseq): ", str(e),
+                    maxsplit=1)[0]
+
+
 def _flatten_with_axes(api, path, value, axes_prefix, leaves):
     """Flatten `value`; each leaf gets its axis from the prefix tree `axes_prefix`."""
     vleaves, treedef = optree.tree_flatten(value, none_is_leaf=True)
@@ -293,7 +307,8 @@ def _flatten_with_axes(api, path, value, axes_prefix, leaves):
         except ValueError as e:
             raise ValueError(
                 f"{api}: in_axes for {path} must be a pytree prefix of the argument (an int, None, or a "
-                f"container shaped like it), got {axes_prefix!r}: {e}"
+                f"container shaped like it), got {axes_prefix!r}, but the argument is {_structure(value)}: "
+                f"{_reason(e)}. Fix: in_axes shaped like the argument, or one int for all of it."
             ) from None
     paths = optree.tree_paths(value, none_is_leaf=True)
     for p, v, ax in zip(paths, vleaves, axes):
@@ -320,7 +335,9 @@ def _outputs(api, name, out, out_axes, holder):
                                       none_is_leaf=True)
         except ValueError as e:
             raise ValueError(
-                f"{api}: out_axes must be an int, None, or a pytree prefix of the outputs, got {out_axes!r}: {e}"
+                f"{api}: out_axes must be an int, None, or a pytree prefix of the outputs, got {out_axes!r}, but "
+                f"the function returned {_structure(out)}: {_reason(e)}. Fix: out_axes shaped like the outputs "
+                "(one entry per returned value), or one int for all of them."
             ) from None
     vals, specs, kept = [], [], []
     for k, (v, ax) in enumerate(zip(oleaves, axes)):

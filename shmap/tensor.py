@@ -195,6 +195,32 @@ def _promoted(func, args, kwargs, leaves, tensor_idx):
     return out if out.is_floating_point or out.is_complex else None
 
 
+def _common_dtype(func, args, kwargs, leaves, tensor_idx):
+    """Operands of an elementwise op that differ in dtype, cast to the dtype torch promotes the logical
+    operands to (in place in `leaves`, the physical operands).
+
+    Promotion reads ranks: a 0-d tensor does not set the dtype beside a dimensioned one of its category.
+    On the simulated mesh a varying 0-d value is physically 1-d (its device dim) while an invariant one
+    stays 0-d, so invariant float64 + varying float32 came out float32, where torch on the per-device
+    values, the distributed mesh and JAX give float64.  Casting to the logical common dtype first is
+    what torch does inside the op anyway."""
+    first = leaves[tensor_idx[0]].dtype
+    if all(leaves[k].dtype == first for k in tensor_idx) or getattr(func, "__name__", "") not in batching.POINTWISE:
+        return
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    operands = batching.flatten(args, kwargs)[0]
+    numbers = [v for v in operands if isinstance(v, (int, float, complex)) and not isinstance(v, bool)]
+    try:
+        _, common = elementwise_dtypes(*[operands[k] for k in tensor_idx], *numbers,
+                                       type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    except Exception:  # noqa: BLE001 - dtypes torch's rules do not combine: the op itself will say so
+        return
+    for k in tensor_idx:
+        if leaves[k].dtype != common and leaves[k].dtype != torch.bool:
+            leaves[k] = leaves[k].to(common)
+
+
 def _lift_dtype(leaf, promoted):
     """`promoted` where it widens `leaf`'s floating dtype (the lift of a narrower operand), else None."""
     if promoted is None or leaf.dtype == promoted or not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
@@ -314,6 +340,8 @@ def _dispatch(func, args, kwargs):
                 promoted = _promoted(func, args, kwargs, leaves, tensor_idx)
             leaves[k] = lift(leaf, union, body, _lift_dtype(leaf, promoted))
 
+    if len(tensor_idx) > 1 and not inplace:
+        _common_dtype(func, args, kwargs, leaves, tensor_idx)
     out, out_paxes = body.backend.run_op(func, leaves, treedef, batched, union, inplace, body)
 
     if inplace:

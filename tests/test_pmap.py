@@ -550,3 +550,21 @@ def test_compiled_pmap_follows_a_python_value_its_body_reads():
     assert torch.equal(f(x), x * 2)
     scale = 3.0
     assert torch.equal(f(x), x * 3)
+
+
+def test_prefix_and_unbound_axis_messages_name_structures_and_pmap_not_the_data():
+    """A mismatched in_axes / out_axes names the structures (it printed every device's values); an axis a
+    nested pmap does not bind is named in pmap's terms, the anonymous outer axis not by its internal name."""
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError) as e:
+        shmap.pmap(lambda a: (a, a), "i", out_axes=(0,))(x)
+    msg = str(e.value)
+    assert "got (0,), but the function returned (*, *): tuple arity mismatch; expected: 1, got: 2. Fix:" in msg
+    assert "device (i=0)" not in msg
+    with pytest.raises(ValueError, match=r"got \[0, 0, 0\], but the argument is \[\*, \*\]: list arity mismatch"):
+        shmap.pmap(lambda a: a[0], "i", in_axes=([0, 0, 0],))([x, torch.randn(4)])
+    with pytest.raises(shmap.UnboundAxisError) as e:
+        shmap.pmap(lambda a: shmap.pmap(lambda p: shmap.psum(p, "i"), "j")(a))(torch.randn(2, 2))
+    msg = str(e.value)
+    assert "the enclosing pmap binds ('j',) (and an anonymous pmap axis: give that pmap axis_name=" in msg
+    assert "_pmap" not in msg and "shard_map" not in msg

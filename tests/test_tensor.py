@@ -318,3 +318,27 @@ def test_a_lifted_weight_follows_updates_made_through_another_handle():
                 w, torch.ones(4, 3, dtype=torch.float64))
             assert torch.equal(first, torch.ones(4, 3, dtype=torch.float64)), dtype
             assert torch.equal(second, torch.full((4, 3), 2.0, dtype=torch.float64)), dtype
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "maximum", "where"])
+@pytest.mark.parametrize("wide, narrow", [(torch.float64, torch.float32), (torch.int64, torch.int32)])
+def test_mixed_dtypes_promote_as_torch_does_on_the_per_device_values(op, wide, narrow):
+    """An invariant 0-d value and a varying 0-d value of another dtype: torch's promotion of the per-device
+    values (a 0-d tensor sets the dtype beside another 0-d one), as the distributed mesh and JAX do.  On the
+    simulated mesh the varying value is physically 1-d and the invariant one 0-d, so the narrower dtype won."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    fns = {"add": torch.add, "mul": torch.mul, "maximum": torch.maximum,
+           "where": lambda a, b: torch.where(b > 1, a, b)}
+    fn = fns[op]
+
+    def body(v):
+        s = shmap.psum(v.sum(), "i").to(wide)  # invariant, 0-d
+        k = (shmap.axis_index("i") * 3 + 1).to(narrow)  # varying, 0-d
+        assert s.dim() == k.dim() == 0
+        return fn(s, k).reshape(1)
+
+    got = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.arange(4.0))
+    total = torch.tensor(6.0).to(wide)
+    want = torch.stack([fn(total, torch.tensor(i * 3 + 1).to(narrow)) for i in range(4)])
+    assert got.dtype == want.dtype == wide
+    assert torch.equal(got, want)

@@ -93,6 +93,8 @@ def compare(name, sim, dist) -> list[str]:
         for k, (a, b) in enumerate(zip(sim[key], dist[key])):
             if (a is None) != (b is None):
                 bad.append(f"{name}: {key}[{k}] is None on one mesh only")
+            elif a is not None and a.dtype != b.dtype:
+                bad.append(f"{name}: {key}[{k}] is {a.dtype} simulated but {b.dtype} distributed")
             elif a is not None and (a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL)):
                 err = (a - b).abs().max().item() if a.shape == b.shape else "shape"
                 bad.append(f"{name}: {key}[{k}] differs (max abs err {err}; shapes {tuple(a.shape)} "
@@ -172,6 +174,11 @@ def _hand_cases() -> list[Case]:
                   _closure_body(), (P("i"),), P("i"), ((4, 3),)))
     C.append(Case("replicated weight, batch-sharded data: one psum of its gradient", (4,), ("i",),
                   lambda x, w: shmap.psum(((x @ w) ** 2).sum(), "i"), (P("i"), P()), P(), ((8, 5), (5, 2))))
+    # an invariant 0-d float64 and a varying 0-d float32: torch promotes the per-device values to float64
+    # (the simulated mesh, where the varying one is physically 1-d, gave float32)
+    C.append(Case("mixed dtypes of 0-d invariant and varying values", *ij,
+                  lambda x: (shmap.psum(x.sum(), ("i", "j")) + x.sum().float() * 0.5).reshape(1),
+                  (P(("i", "j")),), P(("i", "j")), ((8, 3),)))
     C.append(Case("invariant output tiled along an axis it does not vary on", *ij,
                   lambda x: shmap.psum(x, "j"), (P("i", "j"),), P("i", ("j",)), ((4, 4),)))
     C.append(Case("1x4 mesh: tuple spec with a size-1 axis", (1, 4), ("a", "b"),
