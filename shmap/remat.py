@@ -18,9 +18,12 @@ one: recompute every op (as eagerly), except what must run exactly once or
 keep its value: collectives and shmap's effectful ops (the guard's
 signatures, `comm_log` reports), whose results are kept, and random ops,
 whose draws are kept (eager replays the RNG state to the same effect).
-Consequently a compiled backward recomputes a region's compute but no
-collective: an FSDP weight gathered inside the region stays gathered, and
-`comm_log` shows no recomputed collective, where eager shows them.
+On the simulated mesh a collective is tensor ops (recomputed with the rest)
+plus its `comm_log` report, an effectful op that is not repeated: the
+compiled backward recomputes a region's data movement too (an FSDP weight is
+gathered again), but `comm_log` shows no recomputed collective where eager
+shows them.  A distributed mesh's body is left as it was (see
+`_tracing_a_body`).
 
 A caller's own `context_fn` (its own selective policy) is kept; its region is
 only numbered, as Dynamo numbers the regions it traces (without a number
@@ -78,7 +81,7 @@ def _tracing_a_body() -> bool:
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None)
 
 
-_ORIG_GENERATOR = _checkpoint._checkpoint_without_reentrant_generator
+_ORIG_GENERATOR = getattr(_checkpoint, "_checkpoint_without_reentrant_generator", None)  # (torch's, private)
 
 
 def _checkpoint_without_reentrant_generator(fn, preserve_rng_state=True, context_fn=_checkpoint.noop_context_fn,
@@ -95,4 +98,5 @@ def _numbered_call(context_fn):
     return _numbered(context_fn())
 
 
-_checkpoint._checkpoint_without_reentrant_generator = _checkpoint_without_reentrant_generator
+if _ORIG_GENERATOR is not None:  # (a torch without it: compiled checkpoints keep their activations, as before)
+    _checkpoint._checkpoint_without_reentrant_generator = _checkpoint_without_reentrant_generator
