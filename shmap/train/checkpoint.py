@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import warnings
 from pathlib import Path
@@ -43,6 +44,21 @@ def _single_process_quiet():
         yield
 
 
+@contextlib.contextmanager
+def _no_dcp_tracebacks():
+    """A damaged checkpoint's load is refused with one message (`_unreadable`); DCP also logs each
+    metadata file it could not read, traceback and all, on the root logger: those records are dropped."""
+    def mine(record):
+        return "torch/distributed/checkpoint" not in record.pathname.replace("\\", "/")
+
+    root = logging.getLogger()
+    root.addFilter(mine)
+    try:
+        yield
+    finally:
+        root.removeFilter(mine)
+
+
 def _complete(d: Path) -> list:
     """The complete checkpoints in `d` (`step_<number>/` with its meta.json), oldest first, by step."""
     found = [(int(p.name[5:]), p) for p in d.glob("step_*")
@@ -67,6 +83,9 @@ def _unreadable(path, e) -> ConfigError:
     before = previous(path)
     fix = (f"delete it to resume from the one before, {before}" if before is not None
            else "start a new run in another --checkpoint-dir")
+    failures = getattr(e, "failures", None)  # (DCP's CheckpointException: each rank's own exception)
+    if failures:
+        e = next(iter(failures.values()))[0]
     return ConfigError(f"--resume: the checkpoint {path} cannot be read ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else 'no detail'}). Fix: {fix}.")
 
@@ -145,7 +164,7 @@ def load(path, params, opt):
     """Fill `params`/`opt` (laid out for this run's mesh) from the checkpoint at `path`, in place."""
     state = {"params": params, "opt": opt, "rng": torch.get_rng_state()}
     try:
-        with _single_process_quiet():
+        with _single_process_quiet(), _no_dcp_tracebacks():
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's errors for damaged files vary (and
         raise _unreadable(path, e) from None          # its CheckpointException is a BaseException)

@@ -95,10 +95,13 @@ def parse_mesh(text: str) -> dict | None:
     if text.lower() == "none":
         return None
     sizes = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in (p.strip() for p in text.split(",")) if text else ():
+        if not part:
+            raise ConfigError(f"--mesh {text!r}: an empty entry (two commas, or one at an end). Fix: AXIS=N "
+                              "entries separated by single commas, e.g. --mesh fsdp=2,tensor=4.")
         name, eq, size = part.partition("=")
         name = name.strip()
-        if not eq or not size.strip().isdigit():
+        if not eq or not (size.strip().isascii() and size.strip().isdigit()):
             raise ConfigError(f"--mesh {text!r}: {part!r} is not AXIS=N. Fix: e.g. --mesh fsdp=2,tensor=4 "
                               "or --mesh none.")
         if name not in AXES:

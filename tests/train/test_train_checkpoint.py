@@ -137,3 +137,13 @@ def test_resume_from_one_checkpoints_directory_names_the_runs(saved):
     one = d / "c" / "step_00000003"
     with pytest.raises(ConfigError, match=rf"which is one checkpoint. Fix: --checkpoint-dir {d / 'c'} "):
         loop.train(tiny("fsdp=4", steps=6, checkpoint_dir=str(one), resume=True), log=lambda *a: None)
+
+
+def test_a_checkpoint_without_its_metadata_is_one_message_without_dcps_tracebacks(saved, tmp_path, capsys):
+    d, _ = saved
+    ck = tmp_path / "c"
+    shutil.copytree(d / "c" / "step_00000003", ck / "step_00000003")
+    (ck / "step_00000003" / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=r"step_00000003 cannot be read \(.*No such file or directory: .*\.metadata"):
+        loop.train(tiny("fsdp=4", steps=6, checkpoint_dir=str(ck), resume=True), log=lambda *a: None)
+    assert "Traceback" not in capsys.readouterr().err  # (DCP logged two on the root logger)

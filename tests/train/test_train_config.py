@@ -23,6 +23,9 @@ def test_mesh_flag_is_parsed_in_mesh_order():
     ("fsdp=2,fsdp=2", ["given twice"]),
     ("fsdp=0", ["sizes must be >= 1"]),
     ("", ["no axes"]),
+    ("fsdp=2,,tensor=2", ["an empty entry"]),  # (were dropped silently)
+    ("data=2,", ["an empty entry"]),
+    ("data=\u0662", ["is not AXIS=N"]),  # (an Arabic-Indic digit, which int() reads as 2)
 ])
 def test_bad_mesh_flags_name_the_flag_and_the_fix(text, words):
     with pytest.raises(ConfigError) as e:
