@@ -378,7 +378,7 @@ def test_remat_keeps_its_memory_saving_when_compiled(monkeypatch):
     assert losses_remat == pytest.approx(losses_eager, rel=1e-12) and losses == pytest.approx(losses_eager, rel=1e-12)
 
 
-def test_a_run_that_does_not_fit_in_memory_says_so_naming_the_sizes(monkeypatch, capsys):
+def test_a_run_that_does_not_fit_in_memory_says_so_naming_the_sizes(monkeypatch, capsys, tmp_path):
     """An allocation failure (here: the first batch's) is a message naming the size flags, exit status 1,
     not a traceback from torch's allocator."""
     def fail(*a, **k):
@@ -386,16 +386,16 @@ def test_a_run_that_does_not_fit_in_memory_says_so_naming_the_sizes(monkeypatch,
                            "you tried to allocate 8000000000 bytes.")
 
     monkeypatch.setattr(loop.Run, "batch", fail)
-    assert loop.main(TINY_FLAGS + ["--mesh", "none", "--steps", "1", "--sample-len", "0"]) == 1
+    assert loop.main(TINY_FLAGS + ["--mesh", "none", "--steps", "1", "--sample-len", "0", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "shmap-train: error: out of memory (" in err and "--batch-size 8, --seq-len 16" in err
     assert "Fix: smaller sizes." in err
 
 
-def test_other_runtime_errors_still_propagate(monkeypatch):
+def test_other_runtime_errors_still_propagate(monkeypatch, tmp_path):
     def fail(*a, **k):
         raise RuntimeError("something else")
 
     monkeypatch.setattr(loop.Run, "batch", fail)
     with pytest.raises(RuntimeError, match="something else"):
-        loop.main(TINY_FLAGS + ["--mesh", "none", "--steps", "1", "--sample-len", "0"])
+        loop.main(TINY_FLAGS + ["--mesh", "none", "--steps", "1", "--sample-len", "0", "--out", str(tmp_path)])
