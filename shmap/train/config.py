@@ -153,6 +153,13 @@ def validate(cfg: Config) -> Config:
          f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR (where to save). Fix: add "
          "--checkpoint-dir, or drop --checkpoint-every.")
     _check_device(cfg.device)
+    held = cfg.eval_batches * cfg.batch_size * (cfg.seq_len + 1) * 8  # (the validation batches, built up front)
+    total = _memory_bytes()
+    need(total is None or held <= total // 2,
+         f"--eval-batches {cfg.eval_batches}: the validation batches ({cfg.eval_batches} x --batch-size "
+         f"{cfg.batch_size} x (--seq-len {cfg.seq_len} + 1) tokens, int64) would take {held / 2**30:.1f} GiB, more "
+         f"than half of this machine's {(total or 0) / 2**30:.1f} GiB; they are built before training. Fix: fewer "
+         "--eval-batches (the default is 4).")
     need(0 < cfg.val_fraction < 1, f"val_fraction {cfg.val_fraction}: must be in (0, 1).")
     mesh = cfg.mesh or {}
     batch = mesh.get("data", 1) * mesh.get("fsdp", 1)
@@ -182,6 +189,14 @@ def validate(cfg: Config) -> Config:
     need(cfg.top_k >= 0 and math.isfinite(cfg.temperature) and cfg.temperature >= 0,
          f"--top-k {cfg.top_k} and --temperature {cfg.temperature}: must be >= 0 (the temperature finite).")
     return cfg
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _check_device(device: str):

@@ -128,3 +128,11 @@ def test_device_is_refused_under_torchrun(monkeypatch):
     with pytest.raises(ConfigError, match=re.escape("--device cuda: under torchrun the 2 processes run gloo on the "
                                                     "CPU")):
         _init_distributed(cfg)
+
+
+def test_validation_batches_that_cannot_fit_are_refused_before_training():
+    """--eval-batches 1e9 built its batches for minutes before any output (it looked like a hang)."""
+    with pytest.raises(ConfigError, match=r"--eval-batches 1000000000: the validation batches .* would take "
+                                          r"[0-9.]+ GiB, more than half of this machine's"):
+        tiny("none", eval_batches=10**9)
+    tiny("none", eval_batches=1000)  # (a large but possible count is fine)
