@@ -42,8 +42,9 @@ def load_corpus(path: str | None = None) -> torch.Tensor:
     else:
         p = Path(path)
         if not p.is_file():
-            what = "a directory" if p.is_dir() else "not a regular file" if p.exists() else "no such file"
-            raise ConfigError(f"--data {path}: {what}. Fix: pass the path of a text file, or leave --data "
+            what = ("an empty path" if not str(path).strip() else "a directory" if p.is_dir()
+                    else "not a regular file" if p.exists() else "no such file")  # (Path("") is ".")
+            raise ConfigError(f"--data {path!r}: {what}. Fix: pass the path of a text file, or leave --data "
                               "out to train on the default Shakespeare corpus.")
         try:
             raw = p.read_bytes()

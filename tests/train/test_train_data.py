@@ -35,6 +35,8 @@ def test_split_and_batches(tmp_path):
 def test_missing_empty_or_short_data_files_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--data .*no such file"):
         data.load_corpus(str(tmp_path / "nope.txt"))
+    with pytest.raises(ConfigError, match="--data '': an empty path"):  # (it said "a directory": Path("") is ".")
+        data.load_corpus("")
     with pytest.raises(ConfigError, match="--data .*: a directory"):  # (it said "no such file")
         data.load_corpus(str(tmp_path))
     (tmp_path / "empty.txt").write_bytes(b"")
