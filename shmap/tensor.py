@@ -177,44 +177,44 @@ def lift(x, target: frozenset, body, dtype=None):
     return got[2]
 
 
-def _promoted(func, args, kwargs, leaves, tensor_idx):
-    """The dtype an elementwise op promotes its floating operands to, where they differ; else None.
-    (`leaves` may hold physical tensors already, of the same dtypes; the rule reads the logical
-    operands, since a 0-d one promotes differently, so it flattens `args` again: rare.)"""
-    dtypes = {(leaves[k]._phys if type(leaves[k]) is ShTensor else leaves[k]).dtype for k in tensor_idx}
-    if len(dtypes) < 2 or getattr(func, "__name__", "") not in batching.POINTWISE:
+def _logical_dtype(func, args, kwargs, tensor_idx, numbers=False):
+    """The dtype torch promotes an elementwise op's logical operands to (its default rule; with `numbers`
+    the Python numbers among the arguments count too), or None: not an elementwise op, or dtypes torch's
+    rules do not combine (the op itself will say so).  It reads the logical operands, since a 0-d one
+    promotes differently, so it flattens `args` again: asked only for operands of mixed dtypes (rare)."""
+    if getattr(func, "__name__", "") not in batching.POINTWISE:
         return None
     from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
     operands = batching.flatten(args, kwargs)[0]
+    extra = [v for v in operands if isinstance(v, (int, float, complex)) and not isinstance(v, bool)] \
+        if numbers else []
     try:
-        _, out = elementwise_dtypes(*[operands[k] for k in tensor_idx],
+        _, out = elementwise_dtypes(*[operands[k] for k in tensor_idx], *extra,
                                     type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
     except Exception:  # noqa: BLE001 - dtypes torch's rules do not combine: the op itself will say so
         return None
-    return out if out.is_floating_point or out.is_complex else None
+    return out
+
+
+def _promoted(func, args, kwargs, tensor_idx):
+    """The floating (or complex) dtype an elementwise op of mixed-dtype operands promotes them to, else None
+    (what a lifted narrower operand is cast to first: `_lift_dtype`)."""
+    out = _logical_dtype(func, args, kwargs, tensor_idx)
+    return out if out is not None and (out.is_floating_point or out.is_complex) else None
 
 
 def _common_dtype(func, args, kwargs, leaves, tensor_idx):
-    """Operands of an elementwise op that differ in dtype, cast to the dtype torch promotes the logical
-    operands to (in place in `leaves`, the physical operands).
+    """The physical operands (`leaves`) of an elementwise op of mixed-dtype operands, cast in place to the
+    dtype torch promotes the logical operands to.
 
     Promotion reads ranks: a 0-d tensor does not set the dtype beside a dimensioned one of its category.
     On the simulated mesh a varying 0-d value is physically 1-d (its device dim) while an invariant one
     stays 0-d, so invariant float64 + varying float32 came out float32, where torch on the per-device
     values, the distributed mesh and JAX give float64.  Casting to the logical common dtype first is
     what torch does inside the op anyway."""
-    first = leaves[tensor_idx[0]].dtype
-    if all(leaves[k].dtype == first for k in tensor_idx) or getattr(func, "__name__", "") not in batching.POINTWISE:
-        return
-    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
-
-    operands = batching.flatten(args, kwargs)[0]
-    numbers = [v for v in operands if isinstance(v, (int, float, complex)) and not isinstance(v, bool)]
-    try:
-        _, common = elementwise_dtypes(*[operands[k] for k in tensor_idx], *numbers,
-                                       type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
-    except Exception:  # noqa: BLE001 - dtypes torch's rules do not combine: the op itself will say so
+    common = _logical_dtype(func, args, kwargs, tensor_idx, numbers=True)
+    if common is None:
         return
     for k in tensor_idx:
         if leaves[k].dtype != common and leaves[k].dtype != torch.bool:
@@ -267,7 +267,13 @@ def _dispatch(func, args, kwargs):
     union = _EMPTY
     tensor_idx = []
     pending = False
+    dtype0, mixed = None, False  # (operands of several dtypes: promotion reads the logical operands)
     for k, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if dtype0 is None:
+                dtype0 = leaf.dtype
+            elif leaf.dtype is not dtype0:
+                mixed = True
         if isinstance(leaf, ShTensor):
             b = leaf._body
             if b is not body:
@@ -331,16 +337,16 @@ def _dispatch(func, args, kwargs):
                 leaves[k] = leaf._phys
             else:
                 if promoted is False:
-                    promoted = _promoted(func, args, kwargs, leaves, tensor_idx)
+                    promoted = _promoted(func, args, kwargs, tensor_idx) if mixed else None
                 leaves[k] = lift(leaf, union, body, _lift_dtype(leaf, promoted))
             if leaf._paxes:
                 batched.append((k, leaf._paxes))
         elif union and not (inplace and leaf is self_val):
             if promoted is False:
-                promoted = _promoted(func, args, kwargs, leaves, tensor_idx)
+                promoted = _promoted(func, args, kwargs, tensor_idx) if mixed else None
             leaves[k] = lift(leaf, union, body, _lift_dtype(leaf, promoted))
 
-    if len(tensor_idx) > 1 and not inplace:
+    if mixed and not inplace:
         _common_dtype(func, args, kwargs, leaves, tensor_idx)
     out, out_paxes = body.backend.run_op(func, leaves, treedef, batched, union, inplace, body)
 
