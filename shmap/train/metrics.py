@@ -142,35 +142,26 @@ def keep_metrics_before(path: Path, start: int, end: int | None = None, evaluate
         start_val = start
     if not path.exists():
         return
-    if last_loss is not None and start:
-        theirs = [r.get("train_loss") for r in _records(path) if r.get("step") == start - 1 and "train_loss" in r]
+    records = []  # (line, its JSON), read once; a line that does not parse (a partial last one) is dropped
+    for line in path.read_text().splitlines() if start else ():
+        try:
+            records.append((line, json.loads(line)))
+        except ValueError:
+            continue
+    if last_loss is not None:
+        theirs = [r["train_loss"] for _, r in records
+                  if isinstance(r, dict) and r.get("step") == start - 1 and "train_loss" in r]
         if theirs and theirs[-1] != last_loss:
             raise ConfigError(
                 f"{flag}: {path} holds another run's metrics (its step {start - 1} trained to loss {theirs[-1]}, the "
                 f"resumed run's to {last_loss}); resuming would cut them down and mix the two runs. Fix: the "
                 f"{flag} the resumed run wrote, or another (or an emptied) {flag}.")
     kept = []
-    for line in path.read_text().splitlines() if start else ():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+    for line, rec in records:
         step = rec.get("step", start) if isinstance(rec, dict) else start
         if step < start or ("val_loss" in rec and step <= start_val):
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
-
-
-def _records(path: Path) -> list:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
 
 
 def read_history(path: Path) -> list:
