@@ -79,10 +79,14 @@ def fmt_vma(vma, order=None) -> str:
     return "{" + ", ".join(repr(a) for a in vma) + "}"
 
 
+#: how a pmap without an axis_name names its axis (pmap.py), which no collective can name
+ANONYMOUS_AXIS = "_pmap"
+
+
 def unbound_axis(api: str, name, bound, kind="shard_map") -> UnboundAxisError:
     """`name` is bound by no running body.  (`kind`: the innermost body's, "shard_map" or "pmap"; a pmap
     without an axis_name binds an anonymous axis, which no collective can name: it is not listed.)"""
-    named = tuple(a for a in bound if not (isinstance(a, str) and a.startswith("_pmap")))
+    named = tuple(a for a in bound if not (isinstance(a, str) and a.startswith(ANONYMOUS_AXIS)))
     anonymous = len(named) < len(bound)
     if not bound:
         return UnboundAxisError(

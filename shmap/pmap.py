@@ -28,7 +28,7 @@ import torch
 
 from . import context
 from .compile import graph_call, python_state
-from .errors import SpecError, VmaError
+from .errors import ANONYMOUS_AXIS, SpecError, VmaError
 from .mesh import Mesh, P, make_mesh
 from .tensor import vma
 
@@ -74,7 +74,7 @@ def pmap(fun=None, axis_name=None, *, in_axes=0, out_axes=0, static_broadcasted_
         raise TypeError(f"pmap: axis_name must be a string or None, got {axis_name!r}.")
     if axis_size is not None and (not isinstance(axis_size, int) or axis_size < 1):
         raise ValueError(f"pmap: axis_size must be a positive int, got {axis_size!r}.")
-    name = axis_name if axis_name is not None else f"_pmap{next(_fresh)}"
+    name = axis_name if axis_name is not None else f"{ANONYMOUS_AXIS}{next(_fresh)}"
     fname = getattr(fun, "__name__", "fun")
     cfg = dict(fun=fun, fname=fname, name=name, in_axes=in_axes, out_axes=out_axes, statics=statics,
                axis_size=axis_size, devices=devices)
