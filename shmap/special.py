@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from .errors import VmaError, fmt_vma, op_name, shared_write, storage_layout, varying_control_flow
-from .cow import before_write, check_not_argument, note_view, shared_root
+from .cow import before_write, check_not_argument, note_view, shared_root, storage_key
 from .tensor import _SPECIAL, ShTensor, expand_to, typed_call, vma
 
 
@@ -121,6 +121,42 @@ def _iter(func, args, kwargs):
     if x.dim() == 0:
         raise TypeError("iteration over a 0-d tensor")
     return iter(x.unbind(0))
+
+
+def _view(func, args, kwargs):
+    """`x.view(shape)` / `x.view_as(y)`: as on each device, also where the simulated mesh's layout differs.
+
+    On the simulated mesh a value's blocks are rows of one tensor, and an elementwise op keeps its
+    operand's layout: the result of `a * 2` for an argument `a` split along a later dim (`P(None, 'i')`)
+    has its devices' rows interleaved, so no per-device `view` of it exists, while a process holds
+    that result as a fresh contiguous block (its operand, a slice with gaps, is not dense) and views it
+    freely.  A value whose blocks are rows in order (a device holds them contiguous: `stride()` says
+    so) is then given device-major memory of its own (a copy, done once: the value and its later views
+    share it), and viewed.  A value whose per-device dims are permuted (`x.t()`), an argument, a view
+    or a leaf raise torch's error as a process does."""
+    try:
+        return typed_call(func, args, kwargs)
+    except RuntimeError as e:
+        x = args[0]
+        if "view size is not compatible" not in str(e) or not _relayable(x):
+            raise
+        x._phys = x._phys.contiguous()
+        x._lifts = None
+        return typed_call(func, args, kwargs)
+
+
+def _relayable(x) -> bool:
+    """Whether a failed per-device view of `x` is a layout of the simulated mesh's own (see `_view`)."""
+    if type(x) is not ShTensor or not x._paxes or x._shared is not None or x._root is not None:
+        return False
+    p = x._phys
+    if x._source is not None or p._base is not None or (p.is_leaf and p.requires_grad):
+        return False
+    marked = x._body.__dict__.get("read_only")
+    if marked and storage_key(p) in marked:
+        return False
+    strides = [s for s, n in zip(p.stride()[len(x._paxes):], p.shape[len(x._paxes):]) if n > 1]
+    return all(a >= b for a, b in zip(strides, strides[1:]))
 
 
 def _concrete(what):
@@ -264,6 +300,8 @@ _SPECIAL[torch.autograd.backward] = _autograd_backward
 _SPECIAL[_T.register_hook] = _register_hook
 _SPECIAL[_T.__hash__] = _hash
 _SPECIAL[_T.__iter__] = _iter
+_SPECIAL[_T.view] = _view
+_SPECIAL[_T.view_as] = _view
 _SPECIAL[_T.__repr__] = _repr
 _SPECIAL[_T.__str__] = _repr
 _SPECIAL[_T.__format__] = _format_spec

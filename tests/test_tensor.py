@@ -342,3 +342,38 @@ def test_mixed_dtypes_promote_as_torch_does_on_the_per_device_values(op, wide, n
     want = torch.stack([fn(total, torch.tensor(i * 3 + 1).to(narrow)) for i in range(4)])
     assert got.dtype == want.dtype == wide
     assert torch.equal(got, want)
+
+
+def test_a_view_of_an_elementwise_result_works_as_on_each_device_and_aliases():
+    """`(a * 2).view(-1)` for an argument split along dim 1: a device holds the product as a fresh
+    contiguous block and views it; the simulated mesh's result interleaved the devices' rows, and torch
+    refused the view.  The value gets device-major memory once; the view and the value then share it."""
+    x = torch.arange(32.0).reshape(4, 8).requires_grad_()
+    blocks = list(x.detach().chunk(4, 1))
+
+    def body(a):
+        b = torch.relu(a) * 2
+        assert b.is_contiguous()
+        v = b.view(-1)
+        v.add_(1)  # through the view: b sees it, as on a device
+        b.mul_(10)  # through the value: v sees it
+        return v + 0 * b.view_as(v), b
+
+    flat, whole = sm(body, (P(None, "i"),), (P("i"), P(None, "i")))(x)
+    want_b = [(torch.relu(a) * 2 + 1) * 10 for a in blocks]
+    assert torch.equal(flat, torch.cat([w.reshape(-1) for w in want_b]))
+    assert torch.equal(whole, torch.cat(want_b, 1))
+    y = x.detach().clone().requires_grad_()
+    sm(lambda a: (torch.relu(a) * 2).view(-1), (P(None, "i"),), P("i"))(y).pow(2).sum().backward()
+    assert torch.equal(y.grad, 8 * torch.relu(y.detach()))
+
+
+def test_a_view_the_device_block_cannot_take_raises_as_torch_does():
+    """A permuted result (`a.t() * 2`) and the argument itself (a slice with gaps on a device) have no
+    per-device view: torch's error, on each device as here."""
+    x = torch.arange(32.0).reshape(4, 8)
+    for f in (lambda a: (a.t() * 2).view(-1), lambda a: a.view(-1)):
+        with pytest.raises(RuntimeError, match="view size is not compatible"):
+            f(x[:, :2])  # one device's block
+        with pytest.raises(RuntimeError, match="view size is not compatible"):
+            sm(f, (P(None, "i"),), P("i"))(x)

@@ -137,8 +137,15 @@ def _arrived_arg(a):
 
 
 def arrived(t):
-    """`t`, or the value of a `Deferred` once it has arrived."""
-    return t.wait() if isinstance(t, Deferred) else t
+    """`t`, or the value of a `Deferred` once it has arrived.
+
+    A `Deferred` with a history (the transpose of a tiled psum_scatter, an all_gather launched inside a
+    `create_graph=True` backward pass) is read through autograd, a clone, so that the value keeps it: its
+    bare value has none, and the second derivative lost that term (raising, or silently dropped with
+    `allow_unused=True`)."""
+    if not isinstance(t, Deferred):
+        return t
+    return t.clone() if t.requires_grad else t.wait()
 
 
 def _deferrable(ct) -> bool:

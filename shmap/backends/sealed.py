@@ -127,15 +127,21 @@ def _sealed_bytes(rows, g: Group, kind, shape, dtype, extra):
     if bucket:
         if not rows[0].is_cpu:
             st = st.to(rows[0].device)
-        send = torch.cat([p.view(torch.uint8) for p in rows] + [st]).view(1, -1)  # one op: the copy and the signature
+        send = torch.cat([_unit_stride(p).view(torch.uint8) for p in rows] + [st]).view(1, -1)  # one op: the copy and the signature
         return send, send.shape[1] - 8, list(sig)
     r = rows.shape[0]
-    b = rows.contiguous().view(-1)  # 1-D with stride 1 (a size-1 dimension may carry any stride)
+    b = _unit_stride(rows.contiguous().view(-1))  # 1-D with stride 1 (a size-1 dimension may carry any stride)
     b = (b.view(torch.uint8) if b.dtype != torch.uint8 else b).view(r, -1)
     if not b.is_cpu:
         st = st.to(b.device)
     send = torch.cat([b, st.expand(r, 8)], dim=1)  # one op: the copy and the signature
     return send, b.shape[1], list(sig)
+
+
+def _unit_stride(p):
+    """A 1-D tensor `p` with stride 1, as a dtype view needs: a contiguous one of one element may have any stride
+    (a stride-0 broadcast of a scalar: the gradient of a sum), which torch's `view(torch.uint8)` refuses."""
+    return p if p.stride(0) == 1 else p.clone(memory_format=torch.contiguous_format)
 
 
 def _unsealed_rows(out, nb, dtype, n):

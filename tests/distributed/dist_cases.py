@@ -179,6 +179,11 @@ def _hand_cases() -> list[Case]:
     C.append(Case("mixed dtypes of 0-d invariant and varying values", *ij,
                   lambda x: (shmap.psum(x.sum(), ("i", "j")) + x.sum().float() * 0.5).reshape(1),
                   (P(("i", "j")),), P(("i", "j")), ((8, 3),)))
+    # an elementwise result of a value split along a later dim, viewed: a process holds it contiguous (the
+    # simulated mesh's rows interleaved the devices, and torch refused the view)
+    C.append(Case("view of an elementwise result of a value split along dim 1", *ij,
+                  lambda x: (torch.relu(x) * 2).view(-1).view_as(x.reshape(-1)) + 1,
+                  (P(None, ("i", "j")),), P(("i", "j")), ((4, 8),)))
     C.append(Case("invariant output tiled along an axis it does not vary on", *ij,
                   lambda x: shmap.psum(x, "j"), (P("i", "j"),), P("i", ("j",)), ((4, 4),)))
     C.append(Case("1x4 mesh: tuple spec with a size-1 axis", (1, 4), ("a", "b"),
@@ -216,6 +221,17 @@ def _hand_cases() -> list[Case]:
                   lambda x: shmap.psum((shmap.pmax(x ** 3, "i") ** 2 * x).sum()
                                        + (shmap.pmin(torch.sin(x), ("i", "j")) * x ** 2).sum(), ("i", "j")),
                   (P(("i", "j")),), P(), ((8, 3),), second_order=True))
+    # the transpose of a tiled psum_scatter of a varying value (an all_gather bucketed as a forward gather)
+    # came back without its history: the second derivative raised, or lost the term with allow_unused
+    C.append(Case("second order: tiled psum_scatter of a varying value", (4,), ("i",),
+                  lambda x: torch.sin(shmap.psum_scatter(x, "i", tiled=True)), (P("i"),), P("i"), ((16, 2),),
+                  second_order=True))
+    # a plain input's gradient with a stride-0 part (the cotangent of a sum) in its gather's bucket: on 4
+    # processes the sealed gather's byte view of that part raised
+    C.append(Case("second order: a sum's stride-0 cotangent gathered to a plain input", (4,), ("i",),
+                  lambda x0, x1: ((x0.sum(1, keepdim=True) + x1.sum()).reshape(-1),
+                                  torch.abs(shmap.psum_scatter(x1, "i", tiled=True)).reshape(-1)),
+                  (P(None, "i"), P(None, "i")), P("i"), ((8, 8), (4, 4)), second_order=True))
     return C
 
 
