@@ -41,6 +41,7 @@ from .operands import (
     _shape_error,
     _size,
     _varying,
+    over_trees,
 )
 from .tensor import ShTensor, logical_shape, unreduced_axes, vma  # noqa: F401  (unreduced_axes, vma: re-exported)
 
@@ -78,6 +79,7 @@ def _reduced(vma, shape, axes, n):
     return frozenset(vma) - frozenset(axes), tuple(shape)
 
 
+@over_trees
 def psum(x, axis_name):
     """Sum over the devices of `axis_name`; the result is invariant along it.
 
@@ -104,6 +106,7 @@ def psum(x, axis_name):
 _collective("pmean", "V{A} -> I{A}", "pvary", logged=False)(_reduced)
 
 
+@over_trees
 def pmean(x, axis_name):
     """Mean over the devices of `axis_name` (a psum, then a division)."""
     axes = _axes("pmean", axis_name)
@@ -134,6 +137,7 @@ def _pextremum(kind, x, axis_name):
     return _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body, src=x)
 
 
+@over_trees
 def pmax(x, axis_name):
     """Maximum over the devices of `axis_name`.
 
@@ -143,6 +147,7 @@ def pmax(x, axis_name):
     return _pextremum("pmax", x, axis_name)
 
 
+@over_trees
 def pmin(x, axis_name):
     """Minimum over the devices of `axis_name` (gradient as for `pmax`)."""
     return _pextremum("pmin", x, axis_name)
@@ -156,6 +161,7 @@ def _varies(vma, shape, axes, n):
     return frozenset(vma) | frozenset(axes), tuple(shape)
 
 
+@over_trees
 def pvary(x, axis_name):
     """Mark `x` as varying along `axis_name` (no communication: a stride-0 view).
 
@@ -183,6 +189,7 @@ def _pending(vma, shape, axes, n):
     return frozenset(vma) - frozenset(axes), tuple(shape)  # A leaves the vma: a pending sum along A (U{A})
 
 
+@over_trees
 def pcast(x, axis_name, *, to):
     """Change how a value relates to the devices of `axis_name` without communicating.
 
@@ -261,6 +268,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
     return _out(out, paxes, (_reduced if invariant else _varies)(x._vma, (), axes, 0)[0], body, src=x)
 
 
+@over_trees
 def all_gather(x, axis_name, *, axis=0, tiled=False):
     """Every device gets every device's block, stacked (or concatenated if `tiled`) at `axis`.
 
@@ -270,6 +278,7 @@ def all_gather(x, axis_name, *, axis=0, tiled=False):
     return _all_gather("all_gather", x, axis_name, axis, tiled, False)
 
 
+@over_trees
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """As `all_gather`, typed invariant; its transpose is a slice of the own block (no communication)."""
     return _all_gather("all_gather_invariant", x, axis_name, axis, tiled, True)
@@ -288,6 +297,7 @@ def _scatter_rule(vma, shape, axes, n, *, scatter_dimension=0, tiled=False):
     return frozenset(vma) | frozenset(axes), tuple(shape)
 
 
+@over_trees
 def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`.
 
@@ -319,6 +329,7 @@ _collective("ppermute", "V{A} -> V{A}", "ppermute")(_varies)
 _collective("pshuffle", "V{A} -> V{A}", "pshuffle", logged=False)(_varies)
 
 
+@over_trees
 def ppermute(x, axis_name, perm):
     """Send each device's block along `(src, dst)` pairs; devices with no source get zeros."""
     api = "ppermute"
@@ -334,6 +345,7 @@ def ppermute(x, axis_name, perm):
 # --------------------------------------------------------------------------
 # pshuffle: V{A} -> V{A}                    transpose: pshuffle(inverse perm); a ppermute
 # --------------------------------------------------------------------------
+@over_trees
 def pshuffle(x, axis_name, perm):
     """Device i receives the block of device `perm[i]`; `perm` must be a permutation."""
     api = "pshuffle"
@@ -367,6 +379,7 @@ def _all_to_all_rule(vma, shape, axes, n, *, split_axis=0, concat_axis=0, tiled=
     return frozenset(vma) | frozenset(axes), tuple(shape)
 
 
+@over_trees
 def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     """Device d sends chunk j of `split_axis` to device j; chunks are concatenated at `concat_axis`.
 

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 COMMUNICATING: set = {"kernel"}
 
 
+#: collectives that report the one they perform
+_ALIASES = {"pmean": "psum", "pshuffle": "ppermute"}
+
+
 def register_communicating(kind: str):
     """Count events of `kind` as communication (collectives.py registers its collectives)."""
     COMMUNICATING.add(kind)
@@ -43,8 +47,17 @@ class CommLog:
         self.events: list[CommEvent] = []
 
     def count(self, kind: str | None = None) -> int:
-        """Number of communicating collectives (of `kind`, if given)."""
+        """Number of communicating collectives (of `kind`, if given: one of `COMMUNICATING`; any other
+        name raises, so that a misspelt kind fails an `assert log.count(...) == 0` instead of passing it)."""
         if kind is not None:
+            if kind not in COMMUNICATING and not any(e.kind == kind for e in self.events):
+                also = (f" {kind} is recorded as the {_ALIASES[kind]} it performs: count({_ALIASES[kind]!r})."
+                        if kind in _ALIASES else "")
+                raise ValueError(
+                    f"CommLog.count: kind {kind!r} is not a collective comm_log records; it records "
+                    f"{', '.join(repr(k) for k in sorted(COMMUNICATING))}.{also} Fix: pass one of those, or no "
+                    "kind to count every communicating collective."
+                )
             return sum(1 for e in self.events if e.kind == kind)
         return sum(1 for e in self.events if e.kind in COMMUNICATING)
 

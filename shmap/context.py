@@ -99,7 +99,10 @@ def body_for_axes(api: str, axes: tuple, hint: Body | None = None) -> Body:
                 return body
     bound = s[-1].axes if s else ()
     missing = [a for a in axes if not (s and a in s[-1].sizes)]
-    raise unbound_axis(api, missing[0] if missing else axes[0], bound, s[-1].kind if s else "shard_map")
+    name = missing[0] if missing else axes[0]
+    mesh = s[-1].mesh if s else None
+    free = mesh is not None and name in getattr(mesh, "axis_names", ())
+    raise unbound_axis(api, name, bound, s[-1].kind if s else "shard_map", mesh if free else None)
 
 
 def in_backward() -> bool:

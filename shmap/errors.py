@@ -83,9 +83,18 @@ def fmt_vma(vma, order=None) -> str:
 ANONYMOUS_AXIS = "_pmap"
 
 
-def unbound_axis(api: str, name, bound, kind="shard_map") -> UnboundAxisError:
+def unbound_axis(api: str, name, bound, kind="shard_map", free_in=None) -> UnboundAxisError:
     """`name` is bound by no running body.  (`kind`: the innermost body's, "shard_map" or "pmap"; a pmap
-    without an axis_name binds an anonymous axis, which no collective can name: it is not listed.)"""
+    without an axis_name binds an anonymous axis, which no collective can name: it is not listed.
+    `free_in`: the innermost body's mesh, when `name` is an axis of it that its axis_names leave free.)"""
+    if free_in is not None:
+        axes = ", ".join(repr(a) for a in (*bound, name))
+        return UnboundAxisError(
+            f"{api}: axis name {name!r} is not bound: it is an axis of the enclosing shard_map's mesh "
+            f"{free_in.describe()}, which that shard_map leaves free (its axis_names bind {tuple(bound)}), so "
+            f"a collective there cannot name it. Fix: bind it too, axis_names={{{axes}}}, or call {api} inside "
+            f"a shard_map nested in this body that binds {name!r} (axis_names={{{name!r}}})."
+        )
     named = tuple(a for a in bound if not (isinstance(a, str) and a.startswith(ANONYMOUS_AXIS)))
     anonymous = len(named) < len(bound)
     if not bound:
@@ -196,8 +205,10 @@ def as_tensor_arg(api: str, what: str, x):
         return torch.as_tensor(x)
     except (TypeError, ValueError, RuntimeError) as e:
         shown = repr(x) if len(repr(x)) <= 60 else repr(x)[:57] + "..."
+        reason = str(e).split("\n")[0]  # (torch's own reason, kept short: a shmap error's would be a page)
+        reason = reason if len(reason) <= 100 else reason[:97] + "..."
         raise TypeError(
-            f"{api}: {what} must be a tensor or a number, got {type(x).__name__} {shown} ({e}). "
+            f"{api}: {what} must be a tensor or a number, got {type(x).__name__} {shown} ({reason}). "
             "Fix: pass a torch.Tensor."
         ) from None
 

@@ -185,6 +185,7 @@ def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None, d
     """
     shape = _mesh_shape(shape)
     names = _mesh_names(names, len(shape))
+    device = _mesh_device(device)
     if len(shape) != len(names):
         raise ValueError(
             f"make_mesh: shape {shape} has {len(shape)} axes but names {names} has {len(names)}; "
@@ -209,6 +210,36 @@ def make_mesh(shape: Iterable[int], names: Iterable[AxisName], *, device=None, d
 #: the most devices a simulated mesh may have (its device-id table alone would not fit in memory long before
 #: 10**12, and every varying value holds a block per device)
 MAX_SIMULATED = 1 << 20
+
+
+def _mesh_device(device):
+    """`device` as a torch.device (None stays None), checked here: a bad string raised torch's parser error,
+    naming neither make_mesh nor the argument, and an absent accelerator failed at the first shard_map."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(
+            f"make_mesh: device={device!r} is not a torch device{f' ({reason})' if len(reason) <= 80 else ''}. "
+            "Fix: e.g. device='cpu', 'cuda' or 'cuda:1', or leave it out (the CPU)."
+        ) from None
+    backend = getattr(torch, dev.type, None) if dev.type not in ("cpu", "meta") else None
+    available = getattr(backend, "is_available", None)
+    if callable(available) and not available():
+        raise ValueError(
+            f"make_mesh: device={device!r}, but torch reports no {dev.type} device on this machine "
+            f"(torch.{dev.type}.is_available() is False). Fix: device='cpu' (or leave it out), or run where a "
+            f"{dev.type} device is present."
+        )
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        raise ValueError(
+            f"make_mesh: device={device!r}, but this machine has {count()} {dev.type} device(s), numbered from 0. "
+            f"Fix: an index below {count()}."
+        )
+    return dev
 
 
 def _mesh_shape(shape) -> tuple:

@@ -2,9 +2,12 @@
 implicit `pvary`, the result's type, and the shape and permutation checks (`collectives.py`)."""
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 import operator
 
+import optree
 import torch
 
 from . import context, cow, nesting
@@ -40,6 +43,22 @@ def plain_value(t: torch.Tensor, body) -> ShTensor:
 
 
 _REDUCING = frozenset({"psum", "pmean", "pcast"})
+
+
+def over_trees(collective):
+    """`collective(x, ...)` for a pytree `x` too (a list, tuple, dict or namedtuple of tensors), as JAX's
+    collectives take one: applied to each leaf, the same arguments for all, the tree rebuilt around the
+    results (one collective per leaf: `comm_log` reports each)."""
+    def call(x, *args, **kwargs):
+        if type(x) is ShTensor or isinstance(x, (torch.Tensor, numbers.Number)):
+            return collective(x, *args, **kwargs)
+        leaves, tree = optree.tree_flatten(x)
+        if optree.treespec_is_leaf(tree):
+            return collective(x, *args, **kwargs)
+        return optree.tree_unflatten(tree, [collective(leaf, *args, **kwargs) for leaf in leaves])
+
+    functools.update_wrapper(call, collective)
+    return call
 
 
 def _operand(api: str, x, axes):

@@ -275,7 +275,15 @@ def _repr(func, args, kwargs):
 
 
 def _format_spec(func, args, kwargs):
-    return _format(args[0])
+    """`format(x, spec)`, e.g. `f"{loss:.4f}"`: with a spec, the value as torch formats it (a 0-d tensor's
+    number) where every device holds the same one; a varying value has no one number to show."""
+    x, spec = args[0], args[1] if len(args) > 1 else ""
+    if not spec:
+        return _format(x)
+    if x._vma:
+        raise varying_control_flow(f"`format(x, {spec!r})` (an f-string's `{{x:{spec}}}`)", x._vma, x._body.mesh)
+    with torch._C.DisableTorchFunctionSubclass():
+        return format(x._phys.detach(), spec)
 
 
 _T = torch.Tensor

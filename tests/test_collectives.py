@@ -299,3 +299,64 @@ def test_tables_and_banners_derive_from_the_records():
     # a rule runs on types alone: no body, no tensors
     assert recs["psum_scatter"].rule(frozenset({"i"}), (8, 3), ("j",), 4, scatter_dimension=0, tiled=True) == (
         frozenset({"i", "j"}), (2, 3))
+
+
+_TREE_CALLS = {
+    "psum": lambda t: shmap.psum(t, "i"), "pmean": lambda t: shmap.pmean(t, "i"),
+    "pmax": lambda t: shmap.pmax(t, "i"), "pmin": lambda t: shmap.pmin(t, "i"),
+    "all_gather": lambda t: shmap.all_gather(t, "i", tiled=True),
+    "all_gather_invariant": lambda t: shmap.all_gather_invariant(t, "i", tiled=True),
+    "psum_scatter": lambda t: shmap.psum_scatter(t, "i", tiled=True),
+    "ppermute": lambda t: shmap.ppermute(t, "i", [(k, (k + 1) % 8) for k in range(8)]),
+    "pshuffle": lambda t: shmap.pshuffle(t, "i", [(k + 3) % 8 for k in range(8)]),
+    "all_to_all": lambda t: shmap.all_to_all(t, "i", 0, 0, tiled=True),
+    "pvary": lambda t: shmap.pvary(shmap.psum(t, "i"), "i"),
+    "pcast": lambda t: shmap.pcast(t, "i", to="unreduced"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TREE_CALLS))
+def test_a_collective_of_a_pytree_is_the_collective_of_each_leaf(name):
+    """As JAX's collectives: a list, tuple, dict or namedtuple operand gives the same tree, each leaf's
+    result the collective of that leaf (one comm_log event each). A list once reached torch.as_tensor,
+    whose float() of a varying value made the message a pasted VaryingControlFlowError."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "u v")
+    call = _TREE_CALLS[name]
+    a, b, c = torch.randn(64, 2), torch.randn(64), torch.randn(64, 3)
+    specs = P(unreduced={"i"}) if name == "pcast" else P("i")
+
+    def per_leaf(a, b, c):
+        return {"a": call(a), "bc": [call(b), Pair(call(c), call(a * 2))]}
+
+    def tree(a, b, c):
+        return call({"a": a, "bc": [b, Pair(c, a * 2)]})
+
+    out_specs = {"a": specs, "bc": [specs, Pair(specs, specs)]}
+    with shmap.comm_log() as want_log:
+        want = sm(per_leaf, MESH8, P("i"), out_specs)(a, b, c)
+    with shmap.comm_log() as got_log:
+        got = sm(tree, MESH8, P("i"), out_specs)(a, b, c)
+    assert isinstance(got["bc"][1], Pair)
+    for w, g in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got)):
+        assert torch.equal(w, g)
+    assert got_log.summary() == want_log.summary()
+
+
+def test_psum_of_a_tuple_matches_jax():
+    from jax_helpers import jax_mesh
+
+    import jax
+    import numpy as np
+
+    x, y = np.arange(16.0).reshape(8, 2), np.arange(8.0)
+    m = jax_mesh((8,), ("i",))
+    jp = jax.sharding.PartitionSpec
+    want = jax.shard_map(lambda a, b: jax.lax.psum((a, b), "i"), mesh=m, in_specs=(jp("i"), jp("i")),
+                         out_specs=(jp(), jp()))(x, y)
+    got = sm(lambda a, b: shmap.psum((a, b), "i"), MESH8, (P("i"), P("i")), (P(), P()))(
+        torch.tensor(x), torch.tensor(y))
+    assert isinstance(got, tuple) and len(got) == 2
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(w), g.numpy())

@@ -33,3 +33,17 @@ def test_pvary_is_not_communication():
     with shmap.comm_log() as log:
         shmap.shard_map(lambda w: shmap.pvary(w, "i"), mesh=mesh, in_specs=P(), out_specs=P("i"))(torch.ones(2))
     assert log.count() == 0
+
+
+def test_count_refuses_a_kind_it_never_records():
+    """A misspelt kind (or pmean, recorded as its psum) counted 0, so `assert log.count('pmeann') == 0` passed."""
+    import pytest
+
+    mesh = shmap.make_mesh((4,), ("i",))
+    with shmap.comm_log() as log:
+        shmap.shard_map(lambda v: shmap.pmean(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(torch.ones(4))
+    assert log.count("psum") == 1 and log.count("ppermute") == 0
+    with pytest.raises(ValueError, match=r"kind 'pusm' is not a collective comm_log records.*'psum'"):
+        log.count("pusm")
+    with pytest.raises(ValueError, match=r"pmean is recorded as the psum it performs: count\('psum'\)"):
+        log.count("pmean")

@@ -104,3 +104,14 @@ def test_make_mesh_distributed_is_a_bool_and_a_simulated_mesh_has_a_bound():
         shmap.make_mesh((2,), ("i",), distributed="no")  # (a truthy string meant True)
     with pytest.raises(ValueError, match=r"a mesh of 1000000000000 devices; a simulated mesh holds at most"):
         shmap.make_mesh((10 ** 6, 10 ** 6), ("i", "j"))  # (it allocated the 8 TB device table)
+
+
+def test_make_mesh_checks_its_device():
+    """A bad device string raised torch's parser error naming neither make_mesh nor `device`; an absent
+    accelerator was accepted and failed inside torch at the first shard_map."""
+    with pytest.raises(ValueError, match=r"make_mesh: device='bogus' is not a torch device.*Fix: e\.g\. device='cpu'"):
+        shmap.make_mesh((2,), ("i",), device="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda', but torch reports no cuda device.*Fix: device='cpu'"):
+            shmap.make_mesh((2,), ("i",), device="cuda")
+    assert shmap.make_mesh((2,), ("i",), device="cpu").device == torch.device("cpu")

@@ -184,6 +184,10 @@ def test_error_unbound_axis_in_collective():
     assert "'k'" in str(e.value) and "('i', 'j')" in str(e.value)
     with pytest.raises(shmap.UnboundAxisError, match="no shard_map or pmap body"):
         shmap.psum(torch.ones(2), "i")
+    # an axis of the mesh that axis_names leaves free: the fix is to bind it, not "a mesh with an axis 'j'"
+    with pytest.raises(shmap.UnboundAxisError, match=r"'j' is not bound: it is an axis of the enclosing "
+                       r"shard_map's mesh \(i=4, j=2\), which that shard_map leaves free.*axis_names=\{'i', 'j'\}"):
+        sm(lambda a: shmap.psum(a, "j"), P("i"), P(), axis_names={"i"})(torch.randn(8))
 
 
 def test_error_collective_shape_precondition():

@@ -377,3 +377,22 @@ def test_a_view_the_device_block_cannot_take_raises_as_torch_does():
             f(x[:, :2])  # one device's block
         with pytest.raises(RuntimeError, match="view size is not compatible"):
             sm(f, (P(None, "i"),), P("i"))(x)
+
+
+def test_a_format_spec_formats_an_invariant_value_as_torch_does():
+    """`f"{loss:.2f}"` in a body gave the multi-line repr; torch formats a 0-d tensor's number."""
+    mesh = shmap.make_mesh((4,), ("i",))
+    seen = {}
+
+    def body(a):
+        s = shmap.psum(a.sum(), "i")
+        seen["spec"], seen["plain"] = f"{s:.2f}", f"{s}"
+        with pytest.raises(shmap.VaryingControlFlowError, match=r"`format\(x, '\.2f'\)`"):
+            f"{a.sum():.2f}"
+        with pytest.raises(TypeError, match="unsupported format string"):  # as torch for a 1-d tensor
+            f"{shmap.psum(a, 'i'):.2f}"
+        return s
+
+    shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())(torch.arange(8.0))
+    assert seen["spec"] == f"{torch.tensor(28.0):.2f}" == "28.00"
+    assert seen["plain"].startswith("ShTensor(per-device shape (), float64, invariant")
