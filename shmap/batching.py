@@ -417,6 +417,12 @@ def _plain_promotion(func, leaves, treedef, batched):
     return [t.to(want) if isinstance(t, torch.Tensor) and t.dtype not in (want, torch.bool) else t for t in leaves]
 
 
+#: exceptions that are torch's control flow, not an op's failure: passed on, not retried device by device
+#: (a non-reentrant checkpoint's recomputation stops with one once it has what the backward needs; run
+#: again device by device, the op met a finished recomputation: "target_frame.early_stop is set")
+_SIGNALS = tuple(e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
+
+
 def run_batched(func, leaves, treedef, batched, out_paxes, body):
     """`func` on the physical leaves under one functorch vmap level per device axis (`level_plan`),
     its decomposition where torch has no batching rule (`run`); the device dims come back leading,
@@ -443,6 +449,8 @@ def run_batched(func, leaves, treedef, batched, out_paxes, body):
         args, kwargs = unflatten(treedef, leaves)
         try:
             out = run(func, args, kwargs)
+        except _SIGNALS:
+            raise
         except Exception as e:  # noqa: BLE001 - vmap cannot batch it (or it fails): device by device, below
             failed = e
         else:

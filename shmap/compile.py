@@ -162,13 +162,25 @@ def graph_call(call, name):
     and `traced` rebuilds them in Python that Dynamo traces.  `call` takes a
     `device_mesh` keyword: the DeviceMesh its outputs are placed on, passed
     so that it is an input of the graph (see the module docstring).
+
+    The node runs `call` with Dynamo's frame evaluation off.  Where the body
+    reads a value (`.item()`, `int()` of an invariant value), the node's fake
+    run cannot, and Dynamo breaks the graph at the node and runs it eagerly;
+    with frame evaluation on, Dynamo then compiled the body's own frames on
+    body values, which it cannot trace (a wrong result of another shape, or
+    a RecursionError).  That call is now the eager shard_map's.
     """
     from .spec_tree import flat_leaves, from_skeleton, skeleton
 
     last, types = [None], {}
+    eager = []  # `call` with Dynamo's frame evaluation off (made on first use: Dynamo is imported by then)
 
     def node(*args, _state=(), **kwargs):  # (`_state`: guarded by Dynamo, see `python_state`)
-        out = call(*_mutable(args), **_mutable(kwargs))
+        if not eager:
+            import torch._dynamo
+
+            eager.append(torch._dynamo.disable(call, recursive=True))
+        out = eager[0](*_mutable(args), **_mutable(kwargs))
         last[0] = skeleton(out, types)
         return flat_leaves(out)
 

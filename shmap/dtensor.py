@@ -328,8 +328,9 @@ class _FromBlock(_Function):
     in-place update of the DTensor (`out.mul_(3)`) writes the block, which the
     body's own backward nodes may have saved (tanh saves its output), but
     bumps only the DTensor's version counter, so autograd's check would pass
-    and the gradient be silently wrong.  The backward raises instead, as the
-    simulated mesh's plain output does.
+    and the gradient be silently wrong.  The backward counts the update on
+    the block then, so that such a node raises autograd's own error, as on
+    the simulated mesh, and a pass that needs no such node goes on.
     """
 
     @staticmethod
@@ -343,6 +344,7 @@ class _FromBlock(_Function):
     def setup_context(ctx, inputs, output):
         ctx.dspec = inputs[1]
         ctx.save_for_backward(output)
+        ctx.local = output._local_tensor  # (a view of the block: it shares the block's version counter)
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -352,14 +354,10 @@ class _FromBlock(_Function):
         except RuntimeError as e:
             if "modified by an inplace operation" not in str(e):  # (a second pass without retain_graph)
                 raise
-            from .errors import InPlaceOutputError
-
-            raise InPlaceOutputError(
-                "shard_map: an output was updated in place after the call (e.g. `out.mul_(3)`, `out += 1`) "
-                "and the backward pass then reached it: the update wrote the block the body's backward "
-                "reads, so the gradient would be wrong. The simulated mesh refuses it too. Fix: update it "
-                "out of place (`out = out * 3`), or detach it first (`out = out.detach()`)."
-            ) from e
+            # The update wrote the block without counting on it: counted now, so that a node of the body
+            # that saved the block (tanh saves its output) raises autograd's own error, and one that did not
+            # (sin saves its input) differentiates on, as on the simulated mesh and in plain torch.
+            torch.autograd.graph.increment_version(ctx.local)
         if g is None:
             return None, None
         want = _cotangent_spec(ctx.dspec)

@@ -40,7 +40,10 @@ class InPlaceInputError(ShmapError, RuntimeError):
 
 
 class InPlaceOutputError(ShmapError, RuntimeError):
-    """A shard_map output was updated in place after the call, and a backward pass then needed it."""
+    """Kept for code that catches it; no longer raised.  An output updated in place after the call and then
+    differentiated through raises torch's own "modified by an inplace operation" error on both meshes,
+    where the body's backward saved the output (a RuntimeError, as this class is), and is differentiated
+    as plain torch does where it did not (the distributed mesh refused every such update)."""
 
 
 class TransformError(ShmapError, NotImplementedError):

@@ -253,3 +253,31 @@ def test_autocast_casts_as_on_one_device():
                               in_specs=(P(None, "i"), P("i")), out_specs=P())(torch.randn(6, 8, **f32), wp)
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and wp.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_region_ending_in_a_per_device_op_recomputes(use_reentrant):
+    """Dropout runs device by device; as the last op of a non-reentrant checkpoint's region, its recomputation
+    ends with torch's early-stop exception, which the vmap attempt took for a failure and re-ran device by
+    device: "target_frame.early_stop is set" in the backward.  The gradient is the unchecked one's."""
+    import torch.utils.checkpoint as cp
+
+    mesh = shmap.make_mesh((2,), ("i",))
+    drop = torch.nn.Dropout(0.5)
+
+    def region(u):
+        return drop(u * 2)
+
+    def f(remat):
+        def body(x):
+            h = cp.checkpoint(region, x, use_reentrant=use_reentrant) if remat else region(x)
+            return shmap.psum((h ** 2).sum(), "i")
+        return shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())
+
+    grads = []
+    for remat in (False, True):
+        x = torch.linspace(-1, 1, 8, dtype=torch.float64).requires_grad_()
+        torch.manual_seed(0)
+        f(remat)(x).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1]) and (grads[0] != 0).any()

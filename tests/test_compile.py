@@ -352,3 +352,25 @@ def test_an_indivisible_symbolic_size_is_named_by_its_value():
     with pytest.raises(Exception, match=r"has size 10 \(symbolic s\d+ under torch.compile\), which is not "
                                         r"divisible by 4"):  # (Dynamo wraps the SpecError it met)
         f(torch.randn(10))
+
+
+@pytest.mark.parametrize("read", ["item", "int"])
+def test_a_body_that_reads_an_invariant_value_runs_eagerly_under_compile(read):
+    """`.item()` / `int()` of an invariant value: the node's fake run cannot read it, so Dynamo breaks the
+    graph at the shard_map and runs it; it then compiled the body's frames on body values: `.item()` gave a
+    wrong answer of another shape ([92., 282.] for 40.), `int()` a RecursionError."""
+    mesh = shmap.make_mesh((2,), ("i",))
+
+    def body(a):
+        s = shmap.psum(a.sum(), "i")
+        k = s.item() if read == "item" else int(s)
+        return shmap.psum(a.square().sum(), "i") + k
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    want = f(a)
+    torch._dynamo.reset()
+    with shmap.comm_log() as log:
+        got = torch.compile(f, backend="aot_eager")(a)
+    assert got.shape == () and torch.equal(got, want) and want.item() == 40.0
+    assert log.summary() == {"psum": 2}

@@ -166,7 +166,9 @@ def forward_psum(x, g):
     """
     if (type(x) is not torch.Tensor or tracing() or torch.compiler.is_compiling()
             or torch._C._are_functorch_transforms_active() or torch._C._functorch.is_functorch_wrapped_tensor(x)
-            or torch._C._current_graph_task_id() != -1):
+            or torch._C._current_graph_task_id() != -1 or torch._C._len_torch_dispatch_stack()):
+        # (a dispatch mode, e.g. selective checkpointing's, sees the ops: the forward dispatches the one
+        # `shmap::psum` that a recomputation in the backward pass does; launched here, it dispatched none)
         return None
     flight, result = _launch_all_reduce(x, g, "psum")
     out = _hand_on(flight, result, x, x.shape)

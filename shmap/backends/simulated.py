@@ -203,16 +203,20 @@ class Simulated(Backend):
     # the extremum, ties split evenly, as torch.amax)
     # ------------------------------------------------------------------
     def pextremum(self, kind, phys, paxes, axes, body, shape, unchecked):
+        # recorded on the operand, before the reduction: a non-reentrant checkpoint's recomputation stops
+        # once the region's last saved tensor is packed, which may be the reduction's (amax saves), so a
+        # record after it was lost (the distributed mesh records first too)
+        phys = log_comm(phys, event(kind, axes, shape, phys.dtype), None)
         dims = [paxes.index(a) for a in axes if a in paxes]
-        if dims:
+        if dims:  # (a view of the result, which amax saves: an in-place update copies it first, cow.py)
             out = phys.amax(dims) if kind == "pmax" else phys.amin(dims)
+            out = out.view_as(out)
         else:
             out = phys
         out_paxes = tuple(a for a in paxes if a not in axes)
-        ev = event(kind, axes, shape, phys.dtype)
         if unchecked:
-            return log_comm(expand_to(out, out_paxes, paxes, body.sizes), ev, None), paxes
-        return log_comm(out, ev, None), out_paxes
+            return expand_to(out, out_paxes, paxes, body.sizes), paxes
+        return out, out_paxes
 
     # ------------------------------------------------------------------
     # pvary: invariant{A} -> varying{A}        transpose: psum
@@ -261,22 +265,28 @@ class Simulated(Backend):
     # ppermute: varying{A} -> varying{A}       transpose: ppermute(inverse)
     # ------------------------------------------------------------------
     def ppermute(self, phys, paxes, axes, body, shape, perm):
+        ev = event("ppermute", axes, shape, phys.dtype)
+        phys = log_comm(phys, ev, ev)
         phys, paxes = self._materialize(phys, paxes, axes, body)
         t, other = _gather_front(phys, paxes, axes, body)
-        n = t.shape[0]
-        src = [0] * n
-        has = [False] * n
-        for s, d in perm:
-            src[d] = s
-            has[d] = True
-        idx = torch.tensor(src, device=t.device)
-        t = t.index_select(0, idx)
-        if not all(has):
-            mask = torch.tensor(has, device=t.device).reshape(n, *([1] * (t.dim() - 1)))
-            t = torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
-        out, out_paxes = _scatter_front(t, axes, other, body)
-        ev = event("ppermute", axes, shape, phys.dtype)
-        return log_comm(out, ev, ev), out_paxes
+        src = dict((d, s) for s, d in perm)
+        if not src:  # no device receives: zeros, still a function of the operand (its gradient is zeros)
+            none = torch.zeros((), dtype=torch.bool, device=t.device)
+            return _scatter_front(torch.where(none, t, torch.zeros((), dtype=t.dtype, device=t.device)), axes,
+                                  other, body)
+        # Each destination's row selected (a view) and stacked: ops that save no tensor for the backward
+        # pass, as the distributed mesh's ppermute saves none, so a non-reentrant checkpoint's recomputation
+        # stops at the same op on both meshes (an index_select saved its index, a where its mask: the
+        # simulated mesh went on to recompute, and log, a ppermute the processes did not)
+        zeros = None
+        rows = []
+        for d in range(t.shape[0]):
+            if d in src:
+                rows.append(t[src[d]])
+            else:  # no source: zeros
+                zeros = torch.zeros_like(t[0]) if zeros is None else zeros
+                rows.append(zeros)
+        return _scatter_front(torch.stack(rows), axes, other, body)
 
     # ------------------------------------------------------------------
     # all_to_all: varying{A} -> varying{A}     transpose: all_to_all(concat, split)

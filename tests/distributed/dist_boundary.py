@@ -152,24 +152,38 @@ def dtensor_boundary():
 
 def _outputs_updated_in_place(mesh):
     """What the simulated mesh does with its plain outputs: an output updated in place after the call is
-    refused by a backward pass that needs it (the DTensor's version counter is not its block's: the
-    gradient was silently wrong); an argument returned as it is comes back as a new tensor (an update of
-    it would write only this rank's block of the caller's tensor); a plain cotangent is the global one;
-    is_grads_batched over a collective is refused with the fix (torch's legacy batching has no rule)."""
+    refused by a backward pass whose body saved it, with torch's own error (the DTensor's version counter
+    is not its block's: the gradient was silently wrong), and differentiated as plain torch does where the
+    body did not save it (every such update was refused); an argument returned as it is comes back as a
+    new tensor (an update of it would write only this rank's block of the caller's tensor); a plain
+    cotangent is the global one; is_grads_batched over a collective is refused with the fix (torch's legacy
+    batching has no rule)."""
     from shmap.errors import InPlaceOutputError, TransformError
 
     bad = []
     spec = P(("i", "j"))
     x = torch.linspace(-1, 1, 8, dtype=torch.float64)
     w = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
-    out = shmap.shard_map(lambda w, x: torch.tanh(x * w), mesh=mesh, in_specs=(P(), spec), out_specs=spec)(w, x)
-    out.mul_(3)
-    try:
-        (out ** 2).sum().backward()
-        bad.append("an output updated in place, then backward: no error (the gradient is wrong)")
-    except InPlaceOutputError as e:
-        if "out = out * 3" not in str(e):
-            bad.append(f"an output updated in place: the message gives no fix: {e}")
+    for fn in (torch.tanh, torch.sin):  # tanh saves its output, sin its input
+        outs = []
+        for m in (mesh, shmap.make_mesh(mesh.axis_sizes, mesh.axis_names, distributed=False)):
+            out = shmap.shard_map(lambda w, x: fn(x * w), mesh=m, in_specs=(P(), spec), out_specs=spec)(w, x)
+            out.mul_(3)
+            try:
+                (g,) = torch.autograd.grad(((out.full_tensor() if m.is_distributed else out) ** 2).sum(), w)
+                outs.append(g)
+            except InPlaceOutputError:
+                outs.append("InPlaceOutputError")
+            except RuntimeError as e:
+                outs.append("modified by an inplace operation" if "modified by an inplace operation" in str(e)
+                            else str(e))
+        want = torch.autograd.grad(((fn(x * w) * 3) ** 2).sum(), w)[0] if fn is torch.sin else \
+            "modified by an inplace operation"
+        for name, got in zip(("distributed", "simulated"), outs):
+            same = torch.allclose(got, want) if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) \
+                else got == want
+            if not same:
+                bad.append(f"{fn.__name__} output updated in place, then backward, {name}: {got}, not {want}")
 
     again = shmap.shard_map(lambda w, x: torch.tanh(x * w), mesh=mesh, in_specs=(P(), spec), out_specs=spec)
     loss = again(w, x).to_local().sum()

@@ -42,6 +42,26 @@ def _ckpt(reentrant):
     return body
 
 
+def _ckpt_ending(kind):
+    """A non-reentrant checkpoint whose region's last saving op is a collective's (`amax` for pmax, the
+    mask of a ppermute with a hole): the recomputation stops inside it, and the simulated mesh recorded the
+    collective after it, so its backward log missed the recomputed one; or (`sac`) a selective checkpoint
+    around a psum, which the distributed mesh's forward launched without dispatching `shmap::psum`, so the
+    recomputation's met no cached op."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    regions = {"pmax": lambda u: torch.sin(u) + shmap.pmax(u, "i"),
+               "ppermute": lambda u: torch.exp(u) + shmap.ppermute(u, "i", [(0, 1), (1, 2), (2, 3)]),
+               "sac": lambda u: torch.tanh(shmap.psum(torch.sin(u), "i")) * u}
+    kw = dict(context_fn=functools.partial(create_selective_checkpoint_contexts, [])) if kind == "sac" else {}
+
+    def body(x):
+        return cp.checkpoint(regions[kind], x, use_reentrant=False, **kw)
+    return body
+
+
 def _func_grad(w, x):
     return torch.func.grad(lambda w: (torch.tanh(x @ w)).sum())(w)
 
@@ -135,6 +155,8 @@ CASES = [
     dist_cases.Case("autograd.Function with psum in backward", (4,), ("i",), _fn_body,
                     (P(), P("i")), P(), ((3,), (8, 3))),
     dist_cases.Case("checkpoint non-reentrant", (4,), ("i",), _ckpt(False), P("i"), P("i"), ((8, 3),)),
+    *[dist_cases.Case(f"checkpoint around {kind}", (4,), ("i",), _ckpt_ending(kind), P("i"), P("i"), ((8, 3),))
+      for kind in ("pmax", "ppermute", "sac")],
     dist_cases.Case("grad in a body, no collective in the function", (4,), ("i",), _func_grad,
                     (P(), P("i")), P(), ((3,), (8, 3))),
     dist_cases.Case("grad in a body, psum in the function (second order)", (4,), ("i",), _func_grad_psum,
