@@ -29,11 +29,16 @@ Consequences:
   the graph, and Dynamo, which does not look inside the node, guards none of
   them; so the call hands the node the ones a body most often reads
   (`python_state`: numbers, strings and flags it closes over or reads as
-  globals, or in a dict, list or tuple it closes over, directly or through a
-  function it calls, and the `training` flag of modules it uses), which
-  Dynamo guards: a change recompiles, as it does for plain code.  Other
-  state (an attribute of a closed-over object) stays frozen until a
-  recompile (`torch._dynamo.reset()`): pass such values as arguments.
+  globals, or in dicts, lists and tuples it closes over (nested up to three
+  deep, at most 1024 values), directly or through a function it calls, and
+  the `training` flag of modules it uses), which Dynamo guards: a change
+  recompiles.  Each new value is a graph of its own (plain code's floats
+  turn dynamic after a recompile; these are constants of the node), so a
+  value that changes every call (a learning rate) recompiles until
+  Dynamo's recompile limit and then runs eagerly: pass it as an argument.
+  Other state (an attribute of a closed-over object, a NumPy scalar, which
+  Dynamo makes a tensor it does not guard) stays frozen until a recompile
+  (`torch._dynamo.reset()`): pass such values as arguments.
 - Sizes may be symbolic (Dynamo's automatic dynamic shapes after a
   recompile); a collective's `comm_log` event needs concrete bytes, so the
   sizes it reports are specialised (guarded) in the graph.
@@ -203,9 +208,9 @@ _SIMPLE = (int, float, bool, str, type(None))
 
 def python_state(f, depth=0) -> tuple:
     """The Python values a body reads that a trace would freeze and Dynamo can guard: numbers, strings and
-    flags that `f` closes over or reads as globals, or holds in a dict, list or tuple it closes over (and,
-    one call deep, those of the functions it names), and the `training` flag of modules among them
-    (`nn.Dropout`, `BatchNorm`), or of `f` itself.
+    flags that `f` closes over or reads as globals, or holds in dicts, lists and tuples it closes over
+    (`_numbers`; and, one call deep, those of the functions it names), and the `training` flag of modules
+    among them (`nn.Dropout`, `BatchNorm`), or of `f` itself.
 
     Run by Dynamo while it traces the call (shard_map's and pmap's `mapped`): handed to the graph node as
     an argument, each value is guarded, so changing it recompiles instead of replaying the stale graph
@@ -223,18 +228,34 @@ def python_state(f, depth=0) -> tuple:
     values += [scope[n] for n in code.co_names if n in scope]
     out = []
     for v in values:
-        if type(v) in _SIMPLE:
-            out.append(v)
-        elif isinstance(v, torch.nn.Module):
+        if isinstance(v, torch.nn.Module):
             out.append(v.training)
-        elif type(v) in (dict, list, tuple) and len(v) <= 64:  # (a settings dict, a schedule's table)
-            out.extend(x for x in (v.values() if type(v) is dict else v) if type(x) in _SIMPLE)
         elif depth < 1 and type(v) is _FUNCTION:
             out.extend(python_state(v, depth + 1))
+        else:
+            _numbers(v, out, 0)
     return tuple(out)
 
 
 _FUNCTION = type(python_state)
+#: how many numbers, strings and flags `python_state` hands the node at most (each is a guard Dynamo checks
+#: on every call); and how deep into containers it looks
+_MOST, _DEEPEST = 1024, 3
+
+
+def _numbers(v, out, depth):
+    """The numbers, strings and flags in `v` (itself one, or held in dicts, lists and tuples, `_DEEPEST`
+    levels deep: a nested settings dict, a schedule's table), appended to `out`.  (Not a NumPy scalar:
+    Dynamo makes one a tensor, whose value it does not guard.)"""
+    if len(out) >= _MOST:
+        return
+    if type(v) in _SIMPLE:
+        out.append(v)
+    elif isinstance(v, torch.nn.Module):
+        out.append(v.training)
+    elif depth < _DEEPEST and isinstance(v, (dict, list, tuple)):
+        for x in (v.values() if isinstance(v, dict) else v):
+            _numbers(x, out, depth + 1)
 
 
 def _empty(cell) -> bool:

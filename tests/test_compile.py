@@ -267,23 +267,29 @@ def test_python_values_the_body_reads_recompile_when_they_change():
         return x * _lr_of_step()
 
     settings = {"scale": 2.0, "name": "x"}
+    nested = collections.OrderedDict(opt={"lr": 2.0})  # (a nested settings dict, a dict subclass: frozen once)
+    table = [2.0] * 100  # (a schedule's table longer than 64: frozen once)
     bodies = {"closure": closure, "global via a helper": through_a_helper, "module flag": lambda x: drop(x),
               "a dict's value": lambda x: x * settings["scale"],
+              "a nested dict's value": lambda x: x * nested["opt"]["lr"], "a long table": lambda x: x * table[0],
               "partial": __import__("functools").partial(lambda k, x: x * scale * k, 3)}
     x = torch.ones(8)
     compiled = {k: torch.compile(shmap.shard_map(b, mesh=MESH, in_specs=P("i"), out_specs=P("i")),
                                  fullgraph=True, backend="aot_eager") for k, b in bodies.items()}
-    for k in ("closure", "global via a helper", "partial", "a dict's value"):
+    for k in ("closure", "global via a helper", "partial", "a dict's value", "a nested dict's value", "a long table"):
         compiled[k](x)
     assert (compiled["module flag"](x) == 0).any()  # training: drops
     scale, SCALE = 5, 7.0
     settings["scale"] = 4.0
+    nested["opt"]["lr"], table[0] = 6.0, 3.0
     drop.eval()
     try:
         assert torch.equal(compiled["closure"](x), x * 5)
         assert torch.equal(compiled["global via a helper"](x), x * 3.5)
         assert torch.equal(compiled["partial"](x), x * 15)
         assert torch.equal(compiled["a dict's value"](x), x * 4)
+        assert torch.equal(compiled["a nested dict's value"](x), x * 6)
+        assert torch.equal(compiled["a long table"](x), x * 3)
         assert torch.equal(compiled["module flag"](x), x)  # eval: the identity
     finally:
         SCALE = 2.0
