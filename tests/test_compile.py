@@ -380,3 +380,26 @@ def test_a_body_that_reads_an_invariant_value_runs_eagerly_under_compile(read):
         got = torch.compile(f, backend="aot_eager")(a)
     assert got.shape == () and torch.equal(got, want) and want.item() == 40.0
     assert log.summary() == {"psum": 2}
+
+
+def test_inductor_reports_a_forward_s_collectives_in_program_order():
+    """pmax's event was recorded on its result, which Inductor's scheduler was free to order after the
+    pmean's psum that reduces it: comm_log said psum, pmax.  It is recorded on the operand now, before the
+    reduction, as on processes."""
+    mesh = shmap.make_mesh((2, 2), ("i", "j"))
+
+    def body(x):
+        h = shmap.pmean(shmap.pmax(x, "j"), "j")
+        return shmap.psum((h * h).sum(), ("i", "j")), shmap.all_gather_invariant(h, ("i", "j"), tiled=True)
+
+    f = shmap.shard_map(body, mesh=mesh, in_specs=P(("i", "j")), out_specs=(P(), P()))
+    x = torch.randn(8, 4)
+
+    def events(fn):
+        with shmap.comm_log() as log:
+            fn(x.clone().requires_grad_())
+        return [(e.kind, e.axes) for e in log.events]
+
+    torch._dynamo.reset()
+    assert events(torch.compile(f, fullgraph=True)) == events(f) == [
+        ("pmax", ("j",)), ("psum", ("j",)), ("psum", ("i", "j")), ("all_gather_invariant", ("i", "j"))]
