@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from . import comm, context, cow
-from .errors import CollectiveArgumentError, VmaError, fmt_axes, fmt_vma
+from .errors import CollectiveArgumentError, UnboundAxisError, VmaError, fmt_axes, fmt_vma
 from .operands import (
     _axes,
     _check_perm,
@@ -41,6 +41,8 @@ from .operands import (
     _shape_error,
     _size,
     _varying,
+    identity_over_no_axes,
+    plain_value,
     over_trees,
 )
 from .tensor import ShTensor, logical_shape, unreduced_axes, vma  # noqa: F401  (unreduced_axes, vma: re-exported)
@@ -80,6 +82,7 @@ def _reduced(vma, shape, axes, n):
 
 
 @over_trees
+@identity_over_no_axes
 def psum(x, axis_name):
     """Sum over the devices of `axis_name`; the result is invariant along it.
 
@@ -109,6 +112,8 @@ _collective("pmean", "V{A} -> I{A}", "pvary", logged=False)(_reduced)
 @over_trees
 def pmean(x, axis_name):
     """Mean over the devices of `axis_name` (a psum, then a division)."""
+    if type(axis_name) in (tuple, list) and not axis_name:  # (no axes: x / 1, as JAX's)
+        return x / 1
     axes = _axes("pmean", axis_name)
     body = context.body_for_axes("pmean", axes, hint=x._body if isinstance(x, ShTensor) else None)
     return psum(x, axes) / _size(body, axes)
@@ -162,6 +167,7 @@ def _varies(vma, shape, axes, n):
 
 
 @over_trees
+@identity_over_no_axes
 def pvary(x, axis_name):
     """Mark `x` as varying along `axis_name` (no communication: a stride-0 view).
 
@@ -190,6 +196,7 @@ def _pending(vma, shape, axes, n):
 
 
 @over_trees
+@identity_over_no_axes
 def pcast(x, axis_name, *, to):
     """Change how a value relates to the devices of `axis_name` without communicating.
 
@@ -269,6 +276,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
 
 
 @over_trees
+@identity_over_no_axes
 def all_gather(x, axis_name, *, axis=0, tiled=False):
     """Every device gets every device's block, stacked (or concatenated if `tiled`) at `axis`.
 
@@ -279,6 +287,7 @@ def all_gather(x, axis_name, *, axis=0, tiled=False):
 
 
 @over_trees
+@identity_over_no_axes
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """As `all_gather`, typed invariant; its transpose is a slice of the own block (no communication)."""
     return _all_gather("all_gather_invariant", x, axis_name, axis, tiled, True)
@@ -298,6 +307,7 @@ def _scatter_rule(vma, shape, axes, n, *, scatter_dimension=0, tiled=False):
 
 
 @over_trees
+@identity_over_no_axes
 def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`.
 
@@ -330,6 +340,7 @@ _collective("pshuffle", "V{A} -> V{A}", "pshuffle", logged=False)(_varies)
 
 
 @over_trees
+@identity_over_no_axes
 def ppermute(x, axis_name, perm):
     """Send each device's block along `(src, dst)` pairs; devices with no source get zeros."""
     api = "ppermute"
@@ -346,6 +357,7 @@ def ppermute(x, axis_name, perm):
 # pshuffle: V{A} -> V{A}                    transpose: pshuffle(inverse perm); a ppermute
 # --------------------------------------------------------------------------
 @over_trees
+@identity_over_no_axes
 def pshuffle(x, axis_name, perm):
     """Device i receives the block of device `perm[i]`; `perm` must be a permutation."""
     api = "pshuffle"
@@ -380,6 +392,7 @@ def _all_to_all_rule(vma, shape, axes, n, *, split_axis=0, concat_axis=0, tiled=
 
 
 @over_trees
+@identity_over_no_axes
 def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     """Device d sends chunk j of `split_axis` to device j; chunks are concatenated at `concat_axis`.
 
@@ -412,7 +425,13 @@ def _index_rule(vma, shape, axes, n):
 
 
 def axis_index(axis_name):
-    """This device's index along `axis_name` (a tuple is linearised major-to-minor)."""
+    """This device's index along `axis_name` (a tuple is linearised major-to-minor; no axes: 0, as JAX's)."""
+    if type(axis_name) in (tuple, list) and not axis_name:
+        body = context.current()
+        if body is None:
+            raise UnboundAxisError("axis_index(()): no shard_map or pmap body is running (collectives only work "
+                                   "inside one). Fix: call it inside a body.")
+        return plain_value(torch.zeros((), dtype=torch.int64, device=body.mesh.device), body)
     axes = _axes("axis_index", axis_name)
     body = context.body_for_axes("axis_index", axes)
     device = body.mesh.device or torch.get_default_device()
@@ -421,7 +440,9 @@ def axis_index(axis_name):
 
 
 def axis_size(axis_name) -> int:
-    """Number of devices along `axis_name` (product for a tuple)."""
+    """Number of devices along `axis_name` (product for a tuple; no axes: 1, as JAX's)."""
+    if type(axis_name) in (tuple, list) and not axis_name:
+        return 1
     axes = _axes("axis_size", axis_name)
     body = context.body_for_axes("axis_size", axes)
     return _size(body, axes)

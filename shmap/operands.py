@@ -25,9 +25,11 @@ def _axes(api: str, axis_name) -> tuple:
             )
         return tuple(axis_name)
     x = "" if api in ("axis_index", "axis_size") else "x, "  # (they take no operand)
+    none = " (JAX's pmax and pmin refuse no axes too; psum and the others are then the identity)" \
+        if _no_axes(axis_name) else ""
     raise TypeError(
         f"{api}: axis_name must be a mesh axis name (str) or a non-empty tuple of names, "
-        f"got {axis_name!r}. Fix: e.g. {api}({x}'i') or {api}({x}('i', 'j'))."
+        f"got {axis_name!r}{none}. Fix: e.g. {api}({x}'i') or {api}({x}('i', 'j'))."
     )
 
 
@@ -43,6 +45,22 @@ def plain_value(t: torch.Tensor, body) -> ShTensor:
 
 
 _REDUCING = frozenset({"psum", "pmean", "pcast"})
+
+
+def _no_axes(axis_name) -> bool:
+    return type(axis_name) in (tuple, list) and not axis_name
+
+
+def identity_over_no_axes(collective):
+    """`collective(x, ())` is `x`, as in JAX: a collective over no devices moves nothing (code that reduces
+    over a computed tuple of axes may find it empty).  JAX's pmax and pmin refuse no axes: so does shmap."""
+    def call(x, axis_name, *args, **kwargs):
+        if _no_axes(axis_name):
+            return x
+        return collective(x, axis_name, *args, **kwargs)
+
+    functools.update_wrapper(call, collective)
+    return call
 
 
 def over_trees(collective):

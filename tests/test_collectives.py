@@ -360,3 +360,39 @@ def test_psum_of_a_tuple_matches_jax():
     assert isinstance(got, tuple) and len(got) == 2
     for w, g in zip(want, got):
         np.testing.assert_array_equal(np.asarray(w), g.numpy())
+
+
+def test_collectives_over_no_axes_are_the_identity_as_jax_s():
+    """`psum(x, ())` and the others move nothing in JAX (code reducing over a computed tuple of axes may find it
+    empty); axis_index(()) is 0 and axis_size(()) 1; pmax and pmin refuse, as JAX's.  shmap raised for all."""
+    from jax_helpers import jax_mesh
+
+    import jax
+    import numpy as np
+
+    jl = jax.lax
+    calls = {  # name: (jax, shmap)
+        "psum": (lambda v: jl.psum(v, ()), lambda v: shmap.psum(v, ())),
+        "pmean": (lambda v: jl.pmean(v, ()), lambda v: shmap.pmean(v, ())),
+        "all_gather": (lambda v: jl.all_gather(v, ()), lambda v: shmap.all_gather(v, ())),
+        "all_gather tiled": (lambda v: jl.all_gather(v, (), tiled=True), lambda v: shmap.all_gather(v, (), tiled=True)),
+        "psum_scatter": (lambda v: jl.psum_scatter(v, (), tiled=True),
+                         lambda v: shmap.psum_scatter(v, (), tiled=True)),
+        "ppermute": (lambda v: jl.ppermute(v, (), [(0, 0)]), lambda v: shmap.ppermute(v, (), [(0, 0)])),
+        "all_to_all": (lambda v: jl.all_to_all(v, (), 0, 0, tiled=True),
+                       lambda v: shmap.all_to_all(v, (), 0, 0, tiled=True)),
+        "axis_index": (lambda v: v + jl.axis_index(()), lambda v: v + shmap.axis_index(())),
+        "axis_size": (lambda v: v * jl.axis_size(()), lambda v: v * shmap.axis_size(())),
+    }
+    x = np.arange(8.0).reshape(4, 2)
+    m = jax_mesh((2,), ("i",))
+    jp = jax.sharding.PartitionSpec
+    for name, (jf, sf) in calls.items():
+        want = np.asarray(jax.shard_map(jf, mesh=m, in_specs=jp("i"), out_specs=jp("i"))(x))
+        got = shmap.shard_map(sf, mesh=shmap.make_mesh((2,), ("i",)), in_specs=P("i"), out_specs=P("i"))(
+            torch.tensor(x))
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=name)
+    with pytest.raises(ValueError):
+        jax.shard_map(lambda v: jl.pmax(v, ()), mesh=m, in_specs=jp("i"), out_specs=jp("i"))(x)
+    with pytest.raises(TypeError, match=r"got \(\) \(JAX's pmax and pmin refuse no axes too"):
+        sm(lambda v: shmap.pmax(v, ()), shmap.make_mesh((2,), ("i",)), P("i"), P("i"))(torch.tensor(x))
