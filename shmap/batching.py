@@ -15,6 +15,7 @@ import math
 import optree
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch._C._functorch import (
     _add_batch_dim,
     _remove_batch_dim,
