@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from .backends.functions import _Function
+from .dtensor import _cotangent_spec
 
 
 class GlobalOutput(DTensor):
@@ -46,7 +47,10 @@ class GlobalOutput(DTensor):
 
 
 class _LocalOf(_Function):
-    """GlobalOutput -> its local tensor (a view); backward: the cotangent as a DTensor on the output's spec."""
+    """GlobalOutput -> its local tensor (a view); backward: the cotangent as a DTensor where the output's
+    cotangent lives (`dtensor._cotangent_spec`: a pending sum's is replicated, as `DTensor.to_local` places
+    it; on the output's own spec, a Partial output's cotangent was then all-reduced to the replicated one
+    its `_FromBlock` expects: the gradient came out the world size times too large)."""
 
     @staticmethod
     def forward(x):
@@ -55,7 +59,7 @@ class _LocalOf(_Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec = inputs[0]._spec
+        ctx.spec = _cotangent_spec(inputs[0]._spec)
         ctx.set_materialize_grads(False)
 
     @staticmethod

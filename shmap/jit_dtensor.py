@@ -52,36 +52,38 @@ def leaf_key(x, first, storages, k):
 def locals_of(tensors, positions):
     """`tensors` with each DTensor (at `positions`) replaced by its local tensor (`_locals`)."""
     out = list(tensors)
-    for k, t in zip(positions, _locals([tensors[k] for k in positions], False)):
+    for k, t in zip(positions, _locals([tensors[k] for k in positions])):
         out[k] = t
     return out
 
 
-def _locals(dts, of_outputs):
+def _locals(dts):
     """The local tensors of DTensors `dts`: differentiable (one autograd Function for all of them) when
     grad mode is on and one of them requires grad."""
     if torch.is_grad_enabled() and any(d.requires_grad for d in dts):
-        return Locals.apply(of_outputs, *dts)
+        return Locals.apply(*dts)
     return [d._local_tensor for d in dts]
 
 
 class Locals(_Function):
     """DTensors -> their local tensors (views); backward: each local cotangent as a DTensor.
 
-    The cotangent's spec is the argument's (`of_outputs` False: as
-    `DTensor.to_local`'s default), or, for a traced output, where the
-    output's cotangent lives (`of_outputs` True: a pending sum's cotangent is
-    replicated, `dtensor._cotangent_spec`).
+    The cotangent's spec is where the value's cotangent lives
+    (`dtensor._cotangent_spec`: a pending sum's is replicated, as
+    `DTensor.to_local`'s default places it), for an argument and for a
+    traced output alike.  (An argument's own spec put a Partial argument's
+    gradient as a pending sum: its value was the world size times the
+    gradient's.)
     """
 
     @staticmethod
-    def forward(of_outputs, *xs):
+    def forward(*xs):
         return tuple(x._local_tensor.view_as(x._local_tensor) for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        of_outputs, *xs = inputs
-        ctx.specs = [_cotangent_spec(x._spec) if of_outputs else x._spec for x in xs]
+        xs = inputs
+        ctx.specs = [_cotangent_spec(x._spec) for x in xs]
         ctx.set_materialize_grads(False)
         const = [t for t, x in zip(output, xs) if not x.requires_grad]
         if const:  # (no gradient is computed for them in the captured backward)
@@ -89,7 +91,7 @@ class Locals(_Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None,) + tuple(None if g is None else new_dtensor(g.contiguous(), s) for g, s in zip(gs, ctx.specs))
+        return tuple(None if g is None else new_dtensor(g.contiguous(), s) for g, s in zip(gs, ctx.specs))
 
 
 # --------------------------------------------------------------------------
@@ -102,7 +104,7 @@ def trace_outputs(outs, out_info):
         return outs
     dts = [outs[k] for k in pos]
     outs = list(outs)
-    for k, d, t in zip(pos, dts, _locals(dts, True)):
+    for k, d, t in zip(pos, dts, _locals(dts)):
         outs[k] = t
         out_info["dspecs"][k] = d._spec
     return outs

@@ -146,7 +146,35 @@ def dtensor_boundary():
     bad += _output_cotangents(mesh)
     bad += _one_node_per_weight(mesh)
     bad += _outputs_updated_in_place(mesh)
+    bad += _pending_sums_differentiated(mesh)
     bad += _output_local_values(mesh)
+    return bad
+
+
+def _pending_sums_differentiated(mesh):
+    """A pending sum's cotangent is replicated (every term of a sum has the sum's cotangent), as
+    `DTensor.to_local` places it: a Partial output read through `to_local()` (a shard_map with an unreduced
+    in_spec does; `device_put` to an unreduced spec makes one), and a Partial argument of `shmap.jit`, got
+    their gradients the world size times too large."""
+    bad = []
+    x = torch.arange(16.0, dtype=torch.float64).reshape(4, 4)
+    spec = P(unreduced={"i"})
+    reduce = shmap.shard_map(lambda u: shmap.psum(u, "i"), mesh=mesh, in_specs=spec, out_specs=P())
+    pend = shmap.shard_map(lambda b: b, mesh=mesh, in_specs=P("i"), out_specs=spec)  # the row blocks' sum
+    ones = torch.ones_like(x)
+    for name, run in (("through device_put", lambda v: reduce(shmap.device_put(v, mesh, spec)).full_tensor()),
+                      ("an unreduced output into an unreduced in_spec", lambda v: reduce(pend(v)).full_tensor()),
+                      ("to_local of an unreduced output", lambda v: pend(v).to_local())):
+        v = x.clone().requires_grad_()
+        run(v).sum().backward()
+        if not torch.equal(v.grad, ones):
+            bad.append(f"{name}: gradient {v.grad.flatten().tolist()}, not ones")
+    for name, fn in (("eager", reduce), ("jit", shmap.jit(reduce, backend="eager"))):
+        d = shmap.device_put(x, mesh, spec).detach().requires_grad_()  # a Partial leaf, value x
+        fn(d).full_tensor().sum().backward()
+        if not torch.equal(d.grad.full_tensor(), ones):
+            bad.append(f"{name}: a Partial argument's gradient {d.grad.full_tensor().flatten().tolist()} "
+                       f"({d.grad.placements}), not ones")
     return bad
 
 
