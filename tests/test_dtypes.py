@@ -186,11 +186,22 @@ def test_non_tensor_operands_and_axis_names_are_clear_errors():
     """Operands torch cannot convert named neither the collective nor the argument; axis_size's fix
     showed an operand it does not take."""
     mesh = shmap.make_mesh((N,), ("i",))
-    for bad in (None, "abc", [[1, 2], [3]]):
+    for bad in ("abc", object()):
         with pytest.raises(TypeError, match=r"psum: the operand must be a tensor or a number, got"):
             shmap.shard_map(lambda v: shmap.psum(bad, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(torch.ones(8))
+    for bad in (None, "abc", [[1, 2], [3]]):
         with pytest.raises(TypeError, match=r"device_put: x must be a tensor or a number"):
             shmap.device_put(bad, mesh, P())
+    # (as JAX's, psum takes a pytree: None is an empty one, and a nested list of numbers one of numbers)
+    seen = {}
+
+    def body(v):
+        seen["none"], seen["nested"] = shmap.psum(None, "i"), shmap.psum([[1, 2], [3]], "i")
+        return v
+
+    shmap.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.ones(8))
+    assert seen["none"] is None
+    assert [[int(t) for t in row] for row in seen["nested"]] == [[N, 2 * N], [3 * N]]
     with pytest.raises(TypeError, match=r"Fix: e\.g\. axis_size\('i'\)"):
         shmap.shard_map(lambda v: v * shmap.axis_size(0), mesh=mesh, in_specs=P("i"), out_specs=P("i"))(torch.ones(8))
 
