@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import torch
 
@@ -324,13 +325,17 @@ class _FromBlock(_Function):
     local block is taken differentiably (`to_local`).  A plain cotangent is
     the global value, as a plain argument is: this rank's block of it.
 
-    The output is saved for the backward pass only to see its version: an
-    in-place update of the DTensor (`out.mul_(3)`) writes the block, which the
-    body's own backward nodes may have saved (tanh saves its output), but
-    bumps only the DTensor's version counter, so autograd's check would pass
-    and the gradient be silently wrong.  The backward counts the update on
-    the block then, so that such a node raises autograd's own error, as on
-    the simulated mesh, and a pass that needs no such node goes on.
+    The backward reads the output's version: an in-place update of the
+    DTensor (`out.mul_(3)`) writes the block, which the body's own backward
+    nodes may have saved (tanh saves its output), but bumps only the
+    DTensor's version counter, so autograd's check would pass and the
+    gradient be silently wrong.  The backward counts the update on the block
+    then, so that such a node raises autograd's own error, as on the
+    simulated mesh, and a pass that needs no such node goes on.  The output
+    is held weakly, not saved for the backward pass: a non-reentrant
+    checkpoint around the call recomputes up to its last saved tensor, and a
+    saved output made it recompute the body's collectives too (an extra
+    all_reduce a step).
     """
 
     @staticmethod
@@ -343,21 +348,19 @@ class _FromBlock(_Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.dspec = inputs[1]
-        ctx.save_for_backward(output)
+        ctx.output, ctx.version = weakref.ref(output), output._version
         ctx.local = output._local_tensor  # (a view of the block: it shares the block's version counter)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, g):
-        try:
-            ctx.saved_tensors  # (unpacking checks the output's version)
-        except RuntimeError as e:
-            if "modified by an inplace operation" not in str(e):  # (a second pass without retain_graph)
-                raise
+        out = ctx.output()
+        if out is not None and out._version != ctx.version:
             # The update wrote the block without counting on it: counted now, so that a node of the body
             # that saved the block (tanh saves its output) raises autograd's own error, and one that did not
             # (sin saves its input) differentiates on, as on the simulated mesh and in plain torch.
             torch.autograd.graph.increment_version(ctx.local)
+            ctx.version = out._version
         if g is None:
             return None, None
         want = _cotangent_spec(ctx.dspec)

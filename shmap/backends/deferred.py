@@ -114,6 +114,21 @@ class Deferred(torch.Tensor):
         value = self.wait().numpy()
         return value if dtype is None else value.astype(dtype)
 
+    # Storage-level methods, which do not dispatch: on the wrapper, which has no storage of its own, torch
+    # read a null pointer (`share_memory_()` killed the process).  They act on the value.  (Not
+    # `untyped_storage()` / `data_ptr()`: shmap's own bookkeeping reads them, and must not wait.)
+    def share_memory_(self):
+        self.wait().share_memory_()
+        return self
+
+    def is_shared(self):
+        return self.wait().is_shared()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return copy.deepcopy(self.wait(), memo)
+
     def __reduce_ex__(self, protocol):
         """Pickled as its value (`torch.save` of a global loss still on the wire, say): the collective
         and its wait belong to this process."""

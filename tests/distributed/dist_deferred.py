@@ -501,4 +501,31 @@ def closed_over_gradient_reads():
     w = torch.tensor([0.5], dtype=torch.float64, requires_grad=True)
     y = shmap.shard_map(lambda xb: shmap.psum((xb * w).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(x)
     (g,) = torch.autograd.grad(y, w, torch.tensor(1.0, dtype=torch.float64))
-    return g.tolist(), g.numpy().tolist(), np.asarray(g).tolist(), g.item()
+    reads = (g.tolist(), g.numpy().tolist(), np.asarray(g).tolist(), g.item())
+    # storage-level methods do not dispatch: share_memory_() killed the process
+    import copy
+
+    y = shmap.shard_map(lambda xb: shmap.psum((xb * w).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())(x)
+    (g,) = torch.autograd.grad(y, w, torch.tensor(1.0, dtype=torch.float64))
+    storage = (type(g).__name__, g.share_memory_() is g and g.is_shared(), copy.deepcopy(g).tolist())
+    return reads, storage
+
+
+def checkpoint_around_a_call():
+    """A non-reentrant checkpoint around a shard_mapped loss recomputes up to the last tensor the region saved.
+    The output's assembly saved the output (to see an in-place update of it), so the recomputation went on
+    through the body's psum: one more all_reduce a step than the simulated mesh's backward."""
+    import torch.utils.checkpoint as cp
+
+    out = {}
+    for name, dist in (("simulated", False), ("distributed", True)):
+        mesh = shmap.make_mesh((torch.distributed.get_world_size(),), ("i",), distributed=dist)
+        f = shmap.shard_map(lambda x, w: shmap.pmean((torch.tanh(x @ w) ** 2).mean(), "i"), mesh=mesh,
+                            in_specs=(P("i"), P()), out_specs=P())
+        w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3).requires_grad_()
+        x = torch.linspace(-2, 2, 32, dtype=torch.float64).reshape(8, 4)
+        loss = cp.checkpoint(f, x, w, use_reentrant=False)
+        with shmap.comm_log() as log:
+            (loss.full_tensor() if dist else loss).backward()
+        out[name] = ([e.kind for e in log.events], w.grad.tolist())
+    return out

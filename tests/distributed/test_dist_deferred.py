@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,5 +70,12 @@ def test_training_steps_put_each_meshs_collectives_on_the_wire_once():
 
 
 def test_a_closed_over_weights_gradient_reads_as_its_value():
-    for got in shmap.spawn(dist_deferred.closed_over_gradient_reads, nprocs=4, timeout=90):
-        assert got == ([28.0], [28.0], [28.0], 28.0)
+    for reads, storage in shmap.spawn(dist_deferred.closed_over_gradient_reads, nprocs=4, timeout=90):
+        assert reads == ([28.0], [28.0], [28.0], 28.0)
+        assert storage == ("Deferred", True, [28.0])
+
+
+def test_a_checkpoint_around_a_call_recomputes_what_the_simulated_mesh_does():
+    for got in shmap.spawn(dist_deferred.checkpoint_around_a_call, nprocs=2, timeout=90):
+        assert got["distributed"][0] == got["simulated"][0] == ["psum"], got
+        assert torch.allclose(torch.tensor(got["distributed"][1]), torch.tensor(got["simulated"][1]), rtol=1e-12)
