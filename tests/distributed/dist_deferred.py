@@ -518,14 +518,14 @@ def checkpoint_around_a_call():
     import torch.utils.checkpoint as cp
 
     out = {}
-    for name, dist in (("simulated", False), ("distributed", True)):
-        mesh = shmap.make_mesh((torch.distributed.get_world_size(),), ("i",), distributed=dist)
+    for name, processes in (("simulated", False), ("distributed", True)):
+        mesh = shmap.make_mesh((torch.distributed.get_world_size(),), ("i",), distributed=processes)
         f = shmap.shard_map(lambda x, w: shmap.pmean((torch.tanh(x @ w) ** 2).mean(), "i"), mesh=mesh,
                             in_specs=(P("i"), P()), out_specs=P())
         w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3).requires_grad_()
         x = torch.linspace(-2, 2, 32, dtype=torch.float64).reshape(8, 4)
         loss = cp.checkpoint(f, x, w, use_reentrant=False)
         with shmap.comm_log() as log:
-            (loss.full_tensor() if dist else loss).backward()
+            (loss.full_tensor() if processes else loss).backward()
         out[name] = ([e.kind for e in log.events], w.grad.tolist())
     return out
