@@ -133,7 +133,9 @@ def _view(func, args, kwargs):
     freely.  A value whose blocks are rows in order (a device holds them contiguous: `stride()` says
     so) is then given device-major memory of its own (a copy, done once: the value and its later views
     share it), and viewed.  A value whose per-device dims are permuted (`x.t()`), an argument, a view
-    or a leaf raise torch's error as a process does."""
+    or a leaf raise torch's error as a process does.  (A view of the value taken before the copy keeps
+    the old memory: a write through it afterwards would not reach the value.  Rare: such a view, then a
+    `view` that needs the copy, then that write.)"""
     try:
         return typed_call(func, args, kwargs)
     except RuntimeError as e:
