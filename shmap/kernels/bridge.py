@@ -9,7 +9,10 @@ of devices sharing their coordinates on those axes, as a collective would.
 The result is typed varying along the axis, or invariant with
 `out='invariant'` (for an all-reduce): then the per-device results are checked
 to agree, so a kernel that leaves devices disagreeing is caught rather than
-silently returning device 0's block.  Kernels are not differentiable by
+silently returning device 0's block.  Agree to within `atol` and `rtol`: by
+default 1e-6 and 1e-5, or in a 16-bit float, n ulps (n the axis size) each: a
+ring all-reduce adds the blocks in another order on each device, and
+bfloat16 rounds every partial sum (its devices differed by 2 ulps).  Kernels are not differentiable by
 themselves; give `transpose=` (a kernel with the same calling convention that
 maps the output cotangents to the input's, e.g. a reduce-scatter for an
 all-gather kernel, or `None` for identity-like transposes written as
@@ -32,7 +35,7 @@ IDENTITY = object()
 
 
 def call(fn, *xs, axis_name: str, out: str = "varying", transpose=None, name: str | None = None,
-         atol: float = 1e-6, rtol: float = 1e-5):
+         atol: float | None = None, rtol: float | None = None):
     """Run the per-device-list function `fn` over mesh axis `axis_name` inside a body."""
     api = f"kernels.call({name or getattr(fn, '__name__', 'fn')})"
     if not isinstance(axis_name, str):
@@ -90,6 +93,13 @@ class _Plan:
         self.n = body.sizes[axis]
         self.others = [body.sizes[a] for a in paxes if a != axis]
 
+    def _tolerance(self, dtype):
+        """(atol, rtol) of the invariant check: the caller's, else the dtype's (see the module docstring)."""
+        narrow = dtype in (torch.bfloat16, torch.float16)
+        eps = self.n * torch.finfo(dtype).eps if narrow else None
+        return (self.atol if self.atol is not None else eps if narrow else 1e-6,
+                self.rtol if self.rtol is not None else eps if narrow else 1e-5)
+
     def _groups(self, phys):
         """[n, G, ...logical] view: device index along the axis, then the group index."""
         t = phys.movedim(self.dim, 0)
@@ -114,7 +124,8 @@ class _Plan:
             first = res.select(self.dim, 0)
             for d in range(1, self.n):
                 other = res.select(self.dim, d)
-                if not torch.allclose(first, other, atol=self.atol, rtol=self.rtol, equal_nan=True):
+                atol, rtol = self._tolerance(first.dtype)
+                if not torch.allclose(first, other, atol=atol, rtol=rtol, equal_nan=True):
                     err = (first - other).abs().max().item()
                     raise VmaError(
                         f"{self.api}: out='invariant' but device {d} of axis {self.axis!r} disagrees with device 0 "

@@ -89,7 +89,7 @@ def normalize_inputs(inputs) -> list[list[torch.Tensor]]:
 def same_outputs(a: list, b: list) -> bool:
     """Bitwise equality (NaN equal to NaN) of nested lists of tensors."""
     return all(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True)
-               if x.dtype.is_floating_point else torch.equal(x, y)
+               if x.dtype.is_floating_point or x.dtype.is_complex else torch.equal(x, y)
                for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 

@@ -163,6 +163,11 @@ def _apply_index(view: tuple, shape_of_base: tuple, idx, what: str) -> tuple:
         elif isinstance(item, slice):
             if item.step is not None and operator.index(item.step) <= 0:
                 raise KernelUsageError(f"{what}: slice steps must be positive, got {item!r}")
+            for end in (item.start, item.stop):  # (Python clamps; a ref, as ds(), does not: a copy of the
+                if end is not None and not -len(r) <= operator.index(end) <= len(r):  # wrong size otherwise)
+                    raise KernelUsageError(
+                        f"{what}: slice {item.start}:{item.stop} is out of bounds for a dimension of size "
+                        f"{len(r)}. Fix: bounds within 0..{len(r)} (or ds(start, size)).")
             new[dim] = r[item]
         elif item is None:
             raise KernelUsageError(f"{what}: `None` (new axis) is not supported in a ref index")

@@ -118,3 +118,20 @@ def test_jit_of_a_kernel_call_names_the_kernel_not_control_flow():
         shmap.jit(f)(x)
     torch.testing.assert_close(f(x), shmap.shard_map(lambda v: shmap.psum(v, "i"), mesh=MESH, in_specs=P(("j", "i")),
                                                      out_specs=P("j"))(x))
+
+
+def test_a_bfloat16_ring_all_reduce_is_invariant_within_its_rounding():
+    """A ring all-reduce adds the blocks in another order on each device; in bfloat16 its devices differed by 2
+    ulps and the fixed float32 tolerance called that a disagreement.  16-bit floats get n ulps; a real
+    disagreement (a kernel that leaves a device's block) is still caught."""
+    mesh = shmap.make_mesh((8,), ("i",))
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    outs = library.all_reduce(list(x.chunk(8)))
+    assert not all(torch.equal(outs[0], o) for o in outs)  # (the premise: the devices do differ)
+    got = shmap.shard_map(lambda v: bridge.call(library.all_reduce, v, axis_name="i", out="invariant"), mesh=mesh,
+                          in_specs=P("i"), out_specs=P())(x)
+    torch.testing.assert_close(got.float(), x.float().reshape(8, 2, 4).sum(0), atol=0.1, rtol=0.02)
+    with pytest.raises(shmap.VmaError, match="disagrees with device 0"):
+        shmap.shard_map(lambda v: bridge.call(lambda xs: [t * (i + 1) for i, t in enumerate(xs)], v,
+                                              axis_name="i", out="invariant"), mesh=mesh, in_specs=P("i"),
+                        out_specs=P())(x)

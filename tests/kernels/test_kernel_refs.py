@@ -35,6 +35,8 @@ def test_views_compose_in_base_coordinates():
     (lambda r: r.at[[0, 1]], "no advanced indexing"),
     (lambda r: r.at[::-1], "steps must be positive"),
     (lambda r: r.at[None], "new axis"),
+    (lambda r: r.at[2:6], r"slice 2:6 is out of bounds for a dimension of size 4"),  # (Python clamped it)
+    (lambda r: r.at[:, -7:], r"slice -7:None is out of bounds for a dimension of size 5"),
 ])
 def test_bad_indices(bad, match):
     with pytest.raises(K.KernelUsageError, match=match):
