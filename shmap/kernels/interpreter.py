@@ -151,8 +151,13 @@ class _Run:
             c.data = data
             if c.remote:
                 src_dev.sem(cp.send_sem.info, cp.send_sem.element("")[1]).add(_Token(
-                    cp.src.nbytes, c.clock, f"send side of {c.describe()}",
+                    cp.src.nbytes, dict(c.clock), f"send side of {c.describe()}",
                     "call .wait_send() (or .wait()) on the sending device"))
+                # The landing is an epoch of its own: waiting for the send side says the source was read,
+                # not that the data has landed (the two shared an epoch, so a sender's wait_send, then a
+                # signal, ordered the receiver's read after the landing: a missing wait_recv went unseen).
+                c.clock = dict(c.clock)
+                c.clock[c.actor] = c.clock.get(c.actor, 0) + 1
                 c.stage = 1
                 return
         if cp.dst.info.key not in dst_dev.buffers:
