@@ -67,11 +67,19 @@ class _Sem:
             self.value += tok.amount
 
     def take(self, value: int, clock: dict) -> None:
+        """Consume `value` from the oldest tokens, joining the clocks of what the wait is ordered after.
+
+        A DMA semaphore counts bytes, and a copy's bytes land in no promised order: a wait for part of a
+        copy's bytes does not order the waiter after any one of them, so only the wait that consumes a
+        token's last byte joins its clock (joined at once, a wait for 16 of 32 bytes let the waiter read
+        the other 16 unreported).  A signal's increment is made at once: any part of it orders."""
         self.value -= value
+        dma = self.info.kind is SemaphoreKind.DMA
         while value:
             tok = self.tokens[0]
             used = min(tok.amount, value)
-            races.join(clock, tok.clock)
+            if not dma or used == tok.amount:
+                races.join(clock, tok.clock)
             tok.amount -= used
             value -= used
             if not tok.amount:

@@ -263,3 +263,36 @@ def test_wait_send_does_not_order_the_landing(seed):
     with pytest.raises(K.DataRaceError):
         K.interpret(_send_wait_then_signal, xs, [K.Buffer((4,)), K.Buffer((4,))],
                     scratch=[K.SemaphoreType.DMA, K.SemaphoreType.DMA, K.SemaphoreType.REGULAR], seed=seed)
+
+
+def _half_wait(x, o, ss, rs):
+    """Waits for 16 of the 32 bytes a copy delivers, then reads the other 16."""
+    me, n = K.device_id(), K.num_devices()
+    c = K.remote_copy(x, o, ss, rs, (me + 1) % n)
+    c.start()
+    K.remote_copy(x.at[0:4], o.at[0:4], ss, rs, me).wait_recv()  # 16 bytes
+    v = o[4:8]  # not waited for
+    K.remote_copy(x.at[4:8], o.at[4:8], ss, rs, me).wait_recv()
+    c.wait_send()
+    o[0:4] = v
+
+
+def test_a_wait_for_part_of_a_copy_orders_nothing_of_it():
+    """A DMA semaphore counts bytes, landing in no promised order; a wait for half joined the copy's clock, so
+    the read of the other half went unreported.  A wait for all of it in two halves stays race-free."""
+    xs = [[torch.arange(8.0) + 10 * d] for d in range(2)]
+    with pytest.raises(K.DataRaceError):
+        K.interpret(_half_wait, xs, K.Buffer((8,)), scratch=[K.SemaphoreType.DMA] * 2, seed=0)
+
+    def both_halves(x, o, ss, rs):
+        me, n = K.device_id(), K.num_devices()
+        c = K.remote_copy(x, o, ss, rs, (me + 1) % n)
+        c.start()
+        K.remote_copy(x.at[0:4], o.at[0:4], ss, rs, me).wait_recv()
+        K.remote_copy(x.at[4:8], o.at[4:8], ss, rs, me).wait_recv()
+        v = o[4:8] * 1
+        c.wait_send()
+        o[0:4] = v
+
+    out = K.interpret(both_halves, xs, K.Buffer((8,)), scratch=[K.SemaphoreType.DMA] * 2, explore=4)
+    assert torch.equal(out[0][0:4], xs[1][0][4:8])
