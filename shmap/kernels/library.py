@@ -71,7 +71,12 @@ def ppermute_kernel(x_ref, o_ref, send_sem, recv_sem, *, perm):
 
 
 def _check_perm(perm, n):
-    perm = tuple((int(s), int(d)) for s, d in perm)
+    try:
+        perm = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise KernelUsageError(
+            f"ppermute: perm must be (source, destination) pairs of device indices, got {perm!r}. "
+            "Fix: e.g. perm=[(0, 1), (1, 0)].") from None
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise KernelUsageError(f"ppermute: perm={perm} repeats a source or a destination")
@@ -268,6 +273,9 @@ def reduce_scatter(xs, *, chunk_rows=None, run=interpret, **kw):
             f"device, split in two halves by rows), got {tuple(x.shape)}")
     rows, rest = x.shape[1], tuple(x.shape[2:])
     h = rows // 2
+    if chunk_rows is not None and int(chunk_rows) < 1:
+        raise KernelUsageError(f"reduce_scatter: chunk_rows must be a positive row count, got {chunk_rows!r}. "
+                               "Fix: chunk_rows >= 1, or None (a whole half).")
     chunk = max(1, min(int(chunk_rows or rows - h), rows - h))
     dt = x.dtype
     scratch = [Buffer((2, h) + rest, dt), Buffer((2, rows - h) + rest, dt),

@@ -65,7 +65,12 @@ class Buffer:
     local: bool = False
 
     def __init__(self, shape, dtype: torch.dtype | None = None, local: bool = False):
-        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise KernelUsageError(f"Buffer: shape {shape} has a negative size. Fix: sizes >= 0.")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise KernelUsageError(f"Buffer: dtype must be a torch.dtype, got {dtype!r}. Fix: e.g. torch.float32.")
+        object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", torch.get_default_dtype() if dtype is None else dtype)
         object.__setattr__(self, "local", bool(local))
 

@@ -126,3 +126,16 @@ def test_exploring_schedules_takes_nan_as_nan_in_complex_outputs():
     xs = [torch.tensor([complex("nan"), 1 + 1j])] * 2
     got = L.all_gather(xs, explore=2)[0]
     assert got.shape == (2, 2) and torch.isnan(got[:, 0].real).all() and torch.equal(got[:, 1], torch.tensor([1 + 1j, 1 + 1j]))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: L.ppermute([torch.ones(2)] * 2, (0, 1)), r"perm must be \(source, destination\) pairs.*Fix"),
+    (lambda: L.reduce_scatter([torch.ones(2, 4)] * 2, chunk_rows=0), r"chunk_rows must be a positive row count"),
+    (lambda: K.Buffer((2,), "float32"), r"dtype must be a torch.dtype, got 'float32'"),
+    (lambda: K.Buffer((-2,)), r"shape \(-2,\) has a negative size"),
+])
+def test_malformed_arguments_name_the_argument_and_the_fix(bad, match):
+    """They raised torch's or Python's own errors (`cannot unpack non-iterable int object`, `empty(): argument
+    'dtype' must be torch.dtype`), or (chunk_rows=0) were taken for 1."""
+    with pytest.raises(K.KernelUsageError, match=match):
+        bad()
