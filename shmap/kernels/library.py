@@ -342,7 +342,7 @@ def allgather_matmul_kernel(x_ref, w_ref, o_ref, xbuf, local_sem, send_sem, recv
 
 
 def allgather_matmul(xs, ws, *, run=interpret, **kw):
-    """Per device d: torch.cat(xs) @ ws[d]."""
+    """Per device d: torch.cat(xs) @ ws[d] (operands of two dtypes promoted first, as torch's matmul would not)."""
     xs, ws = _blocks(xs), _blocks(ws)
     n, x, w = len(xs), xs[0], ws[0]
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
@@ -350,6 +350,9 @@ def allgather_matmul(xs, ws, *, run=interpret, **kw):
             f"allgather_matmul: need x [m, k] and w [k, n'], got {tuple(x.shape)} and "
             f"{tuple(w.shape)}")
     dt = torch.promote_types(x.dtype, w.dtype)
+    if x.dtype != dt or w.dtype != dt:  # (the kernel's matmul takes one dtype; it failed on a device)
+        xs, ws = [a.to(dt) for a in xs], [b.to(dt) for b in ws]
+        x = xs[0]
     return run(allgather_matmul_kernel, [[a, b] for a, b in zip(xs, ws)],
                Buffer((n * x.shape[0], w.shape[1]), dt),
                scratch=[Buffer((2,) + tuple(x.shape), x.dtype), DMA, DMA, DMA, REGULAR],

@@ -139,3 +139,14 @@ def test_malformed_arguments_name_the_argument_and_the_fix(bad, match):
     'dtype' must be torch.dtype`), or (chunk_rows=0) were taken for 1."""
     with pytest.raises(K.KernelUsageError, match=match):
         bad()
+
+
+def test_allgather_matmul_promotes_operands_of_two_dtypes():
+    """The output was the promoted dtype, but the operands went to the kernel's matmul as they were: a
+    DeviceError ("expected m1 and m2 to have the same dtype")."""
+    xs = [torch.randn(2, 3) for _ in range(2)]
+    ws = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    out = L.allgather_matmul(xs, ws)
+    for d in range(2):
+        assert out[d].dtype == torch.float64
+        torch.testing.assert_close(out[d], torch.cat(xs).double() @ ws[d])
