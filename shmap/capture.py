@@ -53,10 +53,34 @@ def _check_graph(gm, name):
 # ----------------------------------------------------------------------
 # Capture: without gradients (make_fx, functionalized, Inductor or FX)
 # ----------------------------------------------------------------------
+def _no_value_reads(flat_fn, name):
+    """`flat_fn`, refusing to read the value of a real tensor (one it closes over) while it is traced: make_fx
+    ran `scale.item()` on it and froze the number in the program (a replay kept it after `scale.fill_(5)`,
+    silently), where the differentiable capture refuses the closed-over tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Refuse(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if (func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], _Tensor)
+                    and not isinstance(args[0], FakeTensor)):
+                raise JitError(
+                    f"shmap.jit({name}): the function reads the value of a tensor it closes over (`.item()`, "
+                    f"`float()`, `.tolist()` of a tensor of shape {tuple(args[0].shape)}). A replay would keep "
+                    "the value read at the capture. Fix: pass the tensor as an argument (in a shard_map, with "
+                    "in_spec P()), or read the number outside and pass it as a Python number.")
+            return func(*args, **(kwargs or {}))
+
+    def checked(*args):
+        with Refuse():
+            return flat_fn(*args)
+    return checked
+
+
 def capture_inference(flat_fn, tensors, backend, name):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(flat_fn, tracing_mode="fake")(*tensors)
+    gm = make_fx(_no_value_reads(flat_fn, name), tracing_mode="fake")(*tensors)
     _check_graph(gm, name)
     ptrs = [storage_key(t) or id(t) for t in tensors]
     if backend == "eager" or len(set(ptrs)) < len(ptrs):  # (Inductor's inner compile takes distinct inputs)

@@ -461,3 +461,18 @@ def test_a_differentiable_capture_does_not_recompute_attention_in_its_backward()
     assert sum(calls.values()) == 1, calls
     want = torch.autograd.grad(attend(q, k, v), (q, k, v))
     assert all(torch.equal(a, b) for a, b in zip(grads, want))
+
+
+def test_reading_a_closed_over_tensor_s_value_is_refused():
+    """`scale.item()` of a tensor the function closes over: the capture without gradients froze the number it
+    read (a replay kept 2.0 after `scale.fill_(5.0)`, silently); the differentiable capture refused the
+    tensor.  Both refuse now.  A number passed as an argument, or made in the function, is read per key."""
+    mesh = shmap.make_mesh((2,), ("i",))
+    scale = torch.tensor(2.0)
+    f = shmap.shard_map(lambda x: shmap.psum(x * scale.item(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    with pytest.raises(shmap.JitError, match=r"reads the value of a tensor it closes over.*Fix: pass the tensor"):
+        shmap.jit(f, backend="eager")(torch.ones(4))
+    g = shmap.shard_map(lambda x, k: shmap.psum(x * k.item() * torch.tensor(3.0).item(), "i"), mesh=mesh,
+                        in_specs=(P("i"), P()), out_specs=P())
+    jg = shmap.jit(g, backend="eager")
+    assert jg(torch.ones(4), 2.0).tolist() == [12.0, 12.0] and jg(torch.ones(4), 5.0).tolist() == [30.0, 30.0]
