@@ -72,3 +72,14 @@ def test_the_progress_bar_does_not_redraw_every_step():
     w.flush()
     bar.close()
     assert sink.getvalue().count("\r") < 10
+
+
+def test_a_shorter_run_continued_drops_its_final_validation_line(tmp_path):
+    """`--steps 4`, then `--steps 8 --resume`: the first run's final evaluation at step 4 (off the
+    --eval-every grid) stayed, one line more than the uninterrupted 8-step run's metrics."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "train_loss": 3.0}, {"step": 3, "val_loss": 2.6}, {"step": 3, "train_loss": 2.5},
+             {"step": 4, "val_loss": 2.4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    metrics.keep_metrics_before(path, 4, end=8)
+    assert metrics.read_history(path) == lines[:3]
