@@ -12,8 +12,9 @@ to agree, so a kernel that leaves devices disagreeing is caught rather than
 silently returning device 0's block.  Agree to within `atol` and `rtol`: by
 default 1e-6 and 1e-5, or in a 16-bit float, n ulps (n the axis size) each: a
 ring all-reduce adds the blocks in another order on each device, and
-bfloat16 rounds every partial sum (its devices differed by 2 ulps).  Kernels are not differentiable by
-themselves; give `transpose=` (a kernel with the same calling convention that
+bfloat16 rounds every partial sum (its devices differed by 2 ulps).
+
+Kernels are not differentiable by themselves; give `transpose=` (a kernel with the same calling convention that
 maps the output cotangents to the input's, e.g. a reduce-scatter for an
 all-gather kernel, or `None` for identity-like transposes written as
 `kernels.IDENTITY`) to use the call under autograd.
