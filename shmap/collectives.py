@@ -41,9 +41,9 @@ from .operands import (
     _shape_error,
     _size,
     _varying,
-    identity_over_no_axes,
+    entry,
+    no_axes,
     plain_value,
-    over_trees,
 )
 from .tensor import ShTensor, logical_shape, unreduced_axes, vma  # noqa: F401  (unreduced_axes, vma: re-exported)
 
@@ -81,8 +81,7 @@ def _reduced(vma, shape, axes, n):
     return frozenset(vma) - frozenset(axes), tuple(shape)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def psum(x, axis_name):
     """Sum over the devices of `axis_name`; the result is invariant along it.
 
@@ -109,10 +108,10 @@ def psum(x, axis_name):
 _collective("pmean", "V{A} -> I{A}", "pvary", logged=False)(_reduced)
 
 
-@over_trees
+@entry(identity_without_axes=False)
 def pmean(x, axis_name):
     """Mean over the devices of `axis_name` (a psum, then a division)."""
-    if type(axis_name) in (tuple, list) and not axis_name:  # (no axes: x / 1, as JAX's)
+    if no_axes(axis_name):  # (no axes: x / 1, as JAX's)
         return x / 1
     axes = _axes("pmean", axis_name)
     body = context.body_for_axes("pmean", axes, hint=x._body if isinstance(x, ShTensor) else None)
@@ -142,7 +141,7 @@ def _pextremum(kind, x, axis_name):
     return _out(out, paxes, _reduced(x._vma, (), axes, 0)[0], body, src=x)
 
 
-@over_trees
+@entry(identity_without_axes=False)
 def pmax(x, axis_name):
     """Maximum over the devices of `axis_name`.
 
@@ -152,7 +151,7 @@ def pmax(x, axis_name):
     return _pextremum("pmax", x, axis_name)
 
 
-@over_trees
+@entry(identity_without_axes=False)
 def pmin(x, axis_name):
     """Minimum over the devices of `axis_name` (gradient as for `pmax`)."""
     return _pextremum("pmin", x, axis_name)
@@ -166,8 +165,7 @@ def _varies(vma, shape, axes, n):
     return frozenset(vma) | frozenset(axes), tuple(shape)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def pvary(x, axis_name):
     """Mark `x` as varying along `axis_name` (no communication: a stride-0 view).
 
@@ -195,8 +193,7 @@ def _pending(vma, shape, axes, n):
     return frozenset(vma) - frozenset(axes), tuple(shape)  # A leaves the vma: a pending sum along A (U{A})
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def pcast(x, axis_name, *, to):
     """Change how a value relates to the devices of `axis_name` without communicating.
 
@@ -275,8 +272,7 @@ def _all_gather(api, x, axis_name, axis, tiled, invariant):
     return _out(out, paxes, (_reduced if invariant else _varies)(x._vma, (), axes, 0)[0], body, src=x)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def all_gather(x, axis_name, *, axis=0, tiled=False):
     """Every device gets every device's block, stacked (or concatenated if `tiled`) at `axis`.
 
@@ -286,8 +282,7 @@ def all_gather(x, axis_name, *, axis=0, tiled=False):
     return _all_gather("all_gather", x, axis_name, axis, tiled, False)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """As `all_gather`, typed invariant; its transpose is a slice of the own block (no communication)."""
     return _all_gather("all_gather_invariant", x, axis_name, axis, tiled, True)
@@ -306,8 +301,7 @@ def _scatter_rule(vma, shape, axes, n, *, scatter_dimension=0, tiled=False):
     return frozenset(vma) | frozenset(axes), tuple(shape)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     """Sum over the devices of `axis_name`, each keeping its own slice of `scatter_dimension`.
 
@@ -339,8 +333,7 @@ _collective("ppermute", "V{A} -> V{A}", "ppermute")(_varies)
 _collective("pshuffle", "V{A} -> V{A}", "pshuffle", logged=False)(_varies)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def ppermute(x, axis_name, perm):
     """Send each device's block along `(src, dst)` pairs; devices with no source get zeros."""
     api = "ppermute"
@@ -356,8 +349,7 @@ def ppermute(x, axis_name, perm):
 # --------------------------------------------------------------------------
 # pshuffle: V{A} -> V{A}                    transpose: pshuffle(inverse perm); a ppermute
 # --------------------------------------------------------------------------
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def pshuffle(x, axis_name, perm):
     """Device i receives the block of device `perm[i]`; `perm` must be a permutation."""
     api = "pshuffle"
@@ -391,8 +383,7 @@ def _all_to_all_rule(vma, shape, axes, n, *, split_axis=0, concat_axis=0, tiled=
     return frozenset(vma) | frozenset(axes), tuple(shape)
 
 
-@over_trees
-@identity_over_no_axes
+@entry(identity_without_axes=True)
 def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     """Device d sends chunk j of `split_axis` to device j; chunks are concatenated at `concat_axis`.
 
@@ -426,7 +417,7 @@ def _index_rule(vma, shape, axes, n):
 
 def axis_index(axis_name):
     """This device's index along `axis_name` (a tuple is linearised major-to-minor; no axes: 0, as JAX's)."""
-    if type(axis_name) in (tuple, list) and not axis_name:
+    if no_axes(axis_name):
         body = context.current()
         if body is None:
             raise UnboundAxisError("axis_index(()): no shard_map or pmap body is running (collectives only work "
@@ -441,7 +432,7 @@ def axis_index(axis_name):
 
 def axis_size(axis_name) -> int:
     """Number of devices along `axis_name` (product for a tuple; no axes: 1, as JAX's)."""
-    if type(axis_name) in (tuple, list) and not axis_name:
+    if no_axes(axis_name):
         return 1
     axes = _axes("axis_size", axis_name)
     body = context.body_for_axes("axis_size", axes)

@@ -228,9 +228,7 @@ def python_state(f, depth=0) -> tuple:
     values += [scope[n] for n in code.co_names if n in scope]
     out = []
     for v in values:
-        if isinstance(v, torch.nn.Module):
-            out.append(v.training)
-        elif depth < 1 and type(v) is _FUNCTION:
+        if depth < 1 and type(v) is _FUNCTION:
             out.extend(python_state(v, depth + 1))
         else:
             _numbers(v, out, 0)

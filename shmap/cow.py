@@ -158,8 +158,7 @@ def check_not_argument(func, x):
     An argument or a view of it raises; a pvary or collective result that shares an argument's memory
     is a new value (`before_write` gives it its own on its first in-place update).
     """
-    marked = x._body.__dict__.get("read_only")
-    got = marked.get(storage_key(x._phys)) if marked else None
+    got = argument_of(x._body, x._phys)
     if got is None or shared_root(x) is not None:
         return
     who, arg_vma = got
@@ -173,8 +172,14 @@ def not_an_argument(body, phys):
     pvary of it, returned as it is): the output is a new tensor, as JAX's are.  Else it would alias the
     caller's tensor (the parent body's value, nested), and an in-place update of the output would write
     the whole of it on the simulated mesh but only this rank's block of it on a distributed one."""
+    return phys.clone() if argument_of(body, phys) is not None else phys
+
+
+def argument_of(body, phys):
+    """(who, its type) of the argument whose memory `phys` is (shard_map marks its arguments' storage), or
+    None: memory of the body's own."""
     marked = body.__dict__.get("read_only")
-    return phys.clone() if marked and storage_key(phys) in marked else phys
+    return marked.get(storage_key(phys)) if marked else None
 
 
 def _broadcast(x) -> bool:

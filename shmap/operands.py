@@ -26,7 +26,7 @@ def _axes(api: str, axis_name) -> tuple:
         return tuple(axis_name)
     x = "" if api in ("axis_index", "axis_size") else "x, "  # (they take no operand)
     none = " (JAX's pmax and pmin refuse no axes too; psum and the others are then the identity)" \
-        if _no_axes(axis_name) else ""
+        if no_axes(axis_name) else ""
     raise TypeError(
         f"{api}: axis_name must be a mesh axis name (str) or a non-empty tuple of names, "
         f"got {axis_name!r}{none}. Fix: e.g. {api}({x}'i') or {api}({x}('i', 'j'))."
@@ -47,36 +47,32 @@ def plain_value(t: torch.Tensor, body) -> ShTensor:
 _REDUCING = frozenset({"psum", "pmean", "pcast"})
 
 
-def _no_axes(axis_name) -> bool:
+def no_axes(axis_name) -> bool:
+    """Whether `axis_name` names no axes (an empty tuple or list)."""
     return type(axis_name) in (tuple, list) and not axis_name
 
 
-def identity_over_no_axes(collective):
-    """`collective(x, ())` is `x`, as in JAX: a collective over no devices moves nothing (code that reduces
-    over a computed tuple of axes may find it empty).  JAX's pmax and pmin refuse no axes: so does shmap."""
-    def call(x, axis_name, *args, **kwargs):
-        if _no_axes(axis_name):
-            return x
-        return collective(x, axis_name, *args, **kwargs)
+def entry(*, identity_without_axes: bool):
+    """A collective `collective(x, axis_name, ...)` as JAX's take their operand: `x` may be a pytree (a list,
+    tuple, dict or namedtuple of tensors), the collective applied to each leaf with the same arguments and
+    the tree rebuilt around the results (one collective per leaf: `comm_log` reports each); and, with
+    `identity_without_axes`, over no axes (`psum(x, ())`: code that reduces over a computed tuple of axes
+    may find it empty) each leaf is itself, as a collective over no devices moves nothing.  (JAX's pmax
+    and pmin refuse no axes: so do shmap's.)"""
+    def wrap(collective):
+        def call(x, axis_name, *args, **kwargs):
+            identity = identity_without_axes and no_axes(axis_name)
+            if type(x) is ShTensor or isinstance(x, (torch.Tensor, numbers.Number)):
+                return x if identity else collective(x, axis_name, *args, **kwargs)
+            leaves, tree = optree.tree_flatten(x)
+            if optree.treespec_is_leaf(tree):
+                return x if identity else collective(x, axis_name, *args, **kwargs)
+            return optree.tree_unflatten(tree, [leaf if identity else collective(leaf, axis_name, *args, **kwargs)
+                                                for leaf in leaves])
 
-    functools.update_wrapper(call, collective)
-    return call
-
-
-def over_trees(collective):
-    """`collective(x, ...)` for a pytree `x` too (a list, tuple, dict or namedtuple of tensors), as JAX's
-    collectives take one: applied to each leaf, the same arguments for all, the tree rebuilt around the
-    results (one collective per leaf: `comm_log` reports each)."""
-    def call(x, *args, **kwargs):
-        if type(x) is ShTensor or isinstance(x, (torch.Tensor, numbers.Number)):
-            return collective(x, *args, **kwargs)
-        leaves, tree = optree.tree_flatten(x)
-        if optree.treespec_is_leaf(tree):
-            return collective(x, *args, **kwargs)
-        return optree.tree_unflatten(tree, [collective(leaf, *args, **kwargs) for leaf in leaves])
-
-    functools.update_wrapper(call, collective)
-    return call
+        functools.update_wrapper(call, collective)
+        return call
+    return wrap
 
 
 def _operand(api: str, x, axes):

@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from .errors import VmaError, fmt_vma, op_name, shared_write, storage_layout, varying_control_flow
-from .cow import before_write, check_not_argument, note_view, shared_root, storage_key
+from .cow import argument_of, before_write, check_not_argument, note_view, shared_root
 from .tensor import _SPECIAL, ShTensor, expand_to, typed_call, vma
 
 
@@ -154,8 +154,7 @@ def _relayable(x) -> bool:
     p = x._phys
     if x._source is not None or p._base is not None or (p.is_leaf and p.requires_grad):
         return False
-    marked = x._body.__dict__.get("read_only")
-    if marked and storage_key(p) in marked:
+    if argument_of(x._body, p) is not None:
         return False
     strides = [s for s, n in zip(p.stride()[len(x._paxes):], p.shape[len(x._paxes):]) if n > 1]
     return all(a >= b for a, b in zip(strides, strides[1:]))

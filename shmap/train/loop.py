@@ -206,7 +206,7 @@ def train(cfg: Config, log=print) -> dict:
     # where an evaluation is due evaluates there first (every rank: evaluating communicates).
     evaluate_start = bool(cfg.eval_every) and 0 < start < cfg.steps and start % cfg.eval_every == 0
     if out is not None and main_rank:  # a resumed run rewrites what came after
-        keep_metrics_before(out / "metrics.jsonl", start, cfg.steps, evaluate_start, run.resumed_loss)
+        keep_metrics_before(out / "metrics.jsonl", start, cfg.steps, run.resumed_loss)
     bar = None
     if cfg.progress and main_rank:
         from tqdm.auto import tqdm

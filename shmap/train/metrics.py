@@ -127,18 +127,18 @@ def check_output_dirs(cfg: Config):
                           "--checkpoint-dir it saved its checkpoints in.")
 
 
-def keep_metrics_before(path: Path, start: int, end: int | None = None, evaluates_start=False,
-                        last_loss: float | None = None, flag="--out"):
+def keep_metrics_before(path: Path, start: int, end: int | None = None, last_loss: float | None = None,
+                        flag="--out"):
     """Keep the lines of an earlier run's metrics before the step this one starts from (none, fresh): its
     training lines before `start`, its validation lines before it, and (without `end`) at it.  A run that
-    knows its last step (`end`) drops a validation line at `start` too: resumed where an evaluation is due
-    (`evaluates_start`), or at its end, it writes that line again; resumed elsewhere, the line is the
+    knows its last step (`end`) drops a validation line at `start` too: resumed where an evaluation is due,
+    or at its end, it writes that line again; resumed elsewhere, the line is the
     final evaluation of an earlier, shorter run (`--steps 4`, then `--steps 8 --resume`), which the
     uninterrupted run does not have.  A partial last line (a crash mid-write) is dropped.
 
     `last_loss`: the checkpoint's record of step `start - 1`'s training loss.  Lines of another run (an
     --out that run did not write) are refused, not cut down and mixed with this one's."""
-    start_val = start - 1 if end is not None or evaluates_start else start
+    start_val = start - 1 if end is not None else start
     if not path.exists():
         return
     records = []  # (line, its JSON), read once; a line that does not parse (a partial last one) is dropped
